@@ -1,0 +1,215 @@
+"""``ExpertLayer``: the drop-in MoE block (router + routed experts + optional shared experts)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .balance import switch_aux_loss, tokens_per_expert, update_correction_bias, BIAS_UPDATE_RATE
+from .config import DEEPSEEK_V3, QWEN3_235B, MoEConfig
+from .distributed import ep_rank_and_world
+from .experts import GroupedExperts, SharedExperts
+from .reference import reference_expert_forward
+from .router import Router
+
+BACKENDS: tuple[str, ...] = ("reference",)
+
+_EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+class ExpertLayer(nn.Module):
+    """A token-choice SwiGLU mixture-of-experts layer with expert parallelism.
+
+    ``forward`` maps ``[..., hidden_size]`` to the same shape. With ``group`` set, the layer is
+    one rank of an expert-parallel group of size W: rank r holds the experts
+    ``[r*E/W, (r+1)*E/W)``, routes its own tokens and exchanges rows with its peers. The router
+    and the shared experts are replicated on every rank.
+
+    Parameter names follow Hugging Face transformers v5 (``gate.weight``,
+    ``gate.e_score_correction_bias``, ``experts.gate_up_proj``, ``experts.down_proj``,
+    ``shared_experts.{gate,up,down}_proj.weight``), so checkpoints load without reshaping.
+
+    After each call, ``tokens_per_expert`` holds the number of this rank's (token, k)
+    assignments per global expert and, when ``compute_aux_loss`` is set, ``aux_loss`` holds the
+    switch load-balancing loss for the caller to add to its objective.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        router: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        norm_topk_prob: bool = True,
+        num_shared_experts: int = 0,
+        group: dist.ProcessGroup | None = None,
+        backend: str = "reference",
+        max_tokens_per_rank: int | None = None,
+        compute_aux_loss: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = MoEConfig(
+            hidden_size=hidden_size,
+            moe_intermediate_size=moe_intermediate_size,
+            num_experts=num_experts,
+            top_k=top_k,
+            router=router,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+            norm_topk_prob=norm_topk_prob,
+            num_shared_experts=num_shared_experts,
+        )
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if max_tokens_per_rank is not None and max_tokens_per_rank < 1:
+            raise ValueError(f"max_tokens_per_rank must be positive, got {max_tokens_per_rank}")
+        self.group = group
+        self.ep_rank, self.ep_world = ep_rank_and_world(group)
+        if num_experts % self.ep_world != 0:
+            raise ValueError(
+                f"num_experts={num_experts} is not divisible by the expert-parallel world size {self.ep_world}"
+            )
+        self.num_local_experts = num_experts // self.ep_world
+        self.backend = backend
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.compute_aux_loss = compute_aux_loss
+
+        factory = {"dtype": dtype, "device": device}
+        self.gate = Router(self.config, **factory)
+        self.experts = GroupedExperts(self.num_local_experts, hidden_size, moe_intermediate_size, **factory)
+        self.shared_experts = (
+            SharedExperts(hidden_size, self.config.shared_intermediate_size, **factory)
+            if num_shared_experts > 0
+            else None
+        )
+        self.register_buffer(
+            "tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64, device=device), persistent=False
+        )
+        self.register_buffer(
+            "load_since_bias_update", torch.zeros(num_experts, dtype=torch.int64, device=device), persistent=False
+        )
+        self.aux_loss: torch.Tensor | None = None
+
+    # ----------------------------------------------------------------------------------------
+    # Presets for the two production layer shapes.
+
+    @classmethod
+    def deepseek_v3(cls, **overrides) -> "ExpertLayer":
+        """The DeepSeek-V3 MoE layer: H 7168, I 2048, 256 experts + 1 shared, top-8 of 4/8 groups."""
+        return cls._from_preset(DEEPSEEK_V3, overrides)
+
+    @classmethod
+    def qwen3_235b(cls, **overrides) -> "ExpertLayer":
+        """The Qwen3-235B-A22B MoE layer: H 4096, I 1536, 128 experts, softmax top-8."""
+        return cls._from_preset(QWEN3_235B, overrides)
+
+    @classmethod
+    def _from_preset(cls, preset: MoEConfig, overrides: dict) -> "ExpertLayer":
+        kwargs = {**asdict(preset), **overrides}
+        positional = [kwargs.pop(k) for k in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k")]
+        return cls(*positional, **kwargs)
+
+    # ----------------------------------------------------------------------------------------
+
+    @property
+    def local_expert_range(self) -> tuple[int, int]:
+        """The global ids ``[first, last)`` of the experts this rank holds."""
+        first = self.ep_rank * self.num_local_experts
+        return first, first + self.num_local_experts
+
+    def _check_input(self, hidden_states: torch.Tensor) -> None:
+        weight = self.gate.weight
+        if not torch.is_floating_point(hidden_states):
+            raise TypeError(f"hidden_states must be a floating-point tensor, got dtype {hidden_states.dtype}")
+        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"hidden_states must have last dimension hidden_size={self.config.hidden_size}, "
+                f"got shape {tuple(hidden_states.shape)}"
+            )
+        if hidden_states.device != weight.device:
+            raise ValueError(
+                f"hidden_states is on {hidden_states.device} but the layer's weights are on {weight.device}"
+            )
+        if hidden_states.dtype != weight.dtype:
+            raise TypeError(
+                f"hidden_states has dtype {hidden_states.dtype} but the layer's weights are {weight.dtype}; "
+                "cast the input or the layer"
+            )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self._check_input(hidden_states)
+        leading = hidden_states.shape[:-1]
+        tokens = hidden_states.reshape(-1, self.config.hidden_size)
+        routing = self.gate(tokens)
+
+        with torch.no_grad():
+            counts = tokens_per_expert(routing.experts, self.config.num_experts)
+            self.tokens_per_expert.copy_(counts)
+            self.load_since_bias_update.add_(counts)
+        self.aux_loss = (
+            switch_aux_loss(routing.scores, routing.experts, self.config.num_experts)
+            if self.compute_aux_loss
+            else None
+        )
+
+        out = reference_expert_forward(tokens, routing, self.experts, self.config.num_experts, self.group)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens)
+        return out.reshape(*leading, self.config.hidden_size)
+
+    # ----------------------------------------------------------------------------------------
+    # Load balancing and checkpoints.
+
+    @torch.no_grad()
+    def update_router_bias(
+        self, rate: float = BIAS_UPDATE_RATE, group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """Apply one aux-loss-free balancing step from the load seen since the last step.
+
+        Call once per optimizer step. The load is summed over the expert-parallel group and,
+        if given, over ``group`` as well (e.g. the data-parallel group), so that every replica
+        of the router applies the same update. Returns the global load that was used.
+        """
+        bias = self.gate.e_score_correction_bias
+        if bias is None:
+            raise RuntimeError("update_router_bias needs router='sigmoid_group'; softmax routing has no bias")
+        load = self.load_since_bias_update.clone()
+        for g in {self.group, group} - {None}:
+            dist.all_reduce(load, group=g)
+        update_correction_bias(bias, load, rate)
+        self.load_since_bias_update.zero_()
+        return load
+
+    def load_full_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True):
+        """Load a checkpoint holding all ``num_experts`` experts, keeping this rank's slice."""
+        first, last = self.local_expert_range
+        local = {}
+        for name, tensor in state_dict.items():
+            if name in _EXPERT_PARAMS:
+                if tensor.shape[0] != self.config.num_experts:
+                    raise ValueError(
+                        f"{name} has {tensor.shape[0]} experts, expected all {self.config.num_experts}"
+                    )
+                tensor = tensor[first:last]
+            local[name] = tensor
+        return self.load_state_dict(local, strict=strict)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"hidden={c.hidden_size}, intermediate={c.moe_intermediate_size}, experts={c.num_experts} "
+            f"(local {self.num_local_experts} on rank {self.ep_rank}/{self.ep_world}), top_k={c.top_k}, "
+            f"router={c.router}, shared={c.num_shared_experts}, backend={self.backend}"
+        )

@@ -1,0 +1,24 @@
+"""Run a test body in W separate processes joined by a gloo process group."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world: int, fn, *args) -> None:
+    """Call ``fn(rank, world, *args)`` in ``world`` processes; any rank's exception fails the test."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_entry, args=(world, os.path.join(tmp, "rendezvous"), fn, args), nprocs=world, join=True)

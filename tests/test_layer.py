@@ -1,0 +1,204 @@
+"""The reference ExpertLayer on one rank against the independent per-token oracle."""
+
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from kosmos_moe import ExpertLayer
+from oracle import oracle_forward
+
+# Shapes deliberately not powers of two.
+CASES = {
+    "softmax": dict(hidden_size=48, moe_intermediate_size=40, num_experts=6, top_k=3, router="softmax"),
+    "softmax_no_renorm": dict(
+        hidden_size=36, moe_intermediate_size=20, num_experts=5, top_k=2, router="softmax", norm_topk_prob=False
+    ),
+    "sigmoid_group": dict(
+        hidden_size=40, moe_intermediate_size=24, num_experts=12, top_k=3, router="sigmoid_group",
+        n_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=2,
+    ),
+}
+
+
+def build(case: str, **extra) -> ExpertLayer:
+    torch.manual_seed(0)
+    layer = ExpertLayer(**CASES[case], dtype=torch.float64, **extra)
+    if layer.gate.e_score_correction_bias is not None:
+        layer.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
+    return layer
+
+
+def oracle_config(layer: ExpertLayer) -> dict:
+    return asdict(layer.config)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layer_matches_per_token_oracle_forward_and_backward(case):
+    layer = build(case)
+    x = torch.randn(2, 13, layer.config.hidden_size, dtype=torch.float64, requires_grad=True)
+    cotangent = torch.randn_like(x)
+
+    out = layer(x)
+    assert out.shape == x.shape
+    (out * cotangent).sum().backward()
+
+    params = {n: p.detach().clone().requires_grad_(True) for n, p in layer.named_parameters()}
+    params.update({n: b for n, b in layer.named_buffers() if n == "gate.e_score_correction_bias"})
+    x_ref = x.detach().clone().requires_grad_(True)
+    ref = oracle_forward(x_ref.reshape(-1, x.shape[-1]), params, oracle_config(layer)).reshape(x.shape)
+    (ref * cotangent).sum().backward()
+
+    # The router computes in fp32 by design; the oracle in fp64.
+    tol = dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, params[name].grad, **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_parameter_layout_is_hugging_face_v5():
+    layer = build("sigmoid_group")
+    shapes = {n: tuple(t.shape) for n, t in layer.state_dict().items()}
+    assert shapes == {
+        "gate.weight": (12, 40),
+        "gate.e_score_correction_bias": (12,),
+        "experts.gate_up_proj": (12, 48, 40),
+        "experts.down_proj": (12, 40, 24),
+        "shared_experts.gate_proj.weight": (48, 40),
+        "shared_experts.up_proj.weight": (48, 40),
+        "shared_experts.down_proj.weight": (40, 48),
+    }
+    assert "gate.e_score_correction_bias" not in dict(layer.named_parameters())
+    assert "gate.e_score_correction_bias" not in build("softmax").state_dict()
+
+
+def test_gate_rows_come_first_in_gate_up_proj():
+    layer = build("softmax")
+    inter = layer.config.moe_intermediate_size
+    x = torch.randn(7, 48, dtype=torch.float64)
+    with torch.no_grad():
+        layer.experts.gate_up_proj[:, inter:] = 0  # up rows zero => every expert outputs zero
+    torch.testing.assert_close(layer(x), torch.zeros_like(x))
+
+
+def test_empty_batch_forward_and_backward():
+    layer = build("sigmoid_group")
+    x = torch.zeros(0, 40, dtype=torch.float64, requires_grad=True)
+    out = layer(x)
+    assert out.shape == (0, 40)
+    out.sum().backward()
+    assert x.grad.shape == (0, 40)
+    assert int(layer.tokens_per_expert.sum()) == 0
+
+
+def test_all_tokens_to_one_expert():
+    layer = build("softmax", compute_aux_loss=True)
+    with torch.no_grad():
+        layer.gate.weight.zero_()
+        layer.gate.weight[4] = 1.0
+    x = torch.rand(9, 48, dtype=torch.float64) + 0.5  # positive => expert 4 dominates
+    layer_top1 = ExpertLayer(48, 40, 6, 1, dtype=torch.float64)
+    layer_top1.load_state_dict(layer.state_dict())
+    out = layer_top1(x)
+    assert layer_top1.tokens_per_expert.tolist() == [0, 0, 0, 0, 9, 0]
+    ref = oracle_forward(x, dict(layer_top1.named_parameters()), oracle_config(layer_top1))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_load_statistics_and_bias_update_through_layer():
+    layer = build("sigmoid_group")
+    layer.gate.e_score_correction_bias.zero_()
+    x = torch.randn(30, 40, dtype=torch.float64)
+    layer(x)
+    first = layer.tokens_per_expert.clone()
+    assert int(first.sum()) == 30 * 3
+    layer(x[:10])
+    assert int(layer.tokens_per_expert.sum()) == 10 * 3
+    load = layer.update_router_bias()
+    torch.testing.assert_close(load, layer.load_since_bias_update + load)  # accumulator was reset
+    assert int(load.sum()) == 40 * 3
+    expected = 1e-3 * torch.sign(load.double().mean() - load.double())
+    torch.testing.assert_close(layer.gate.e_score_correction_bias.double(), expected)
+
+
+def test_bias_update_refused_for_softmax():
+    with pytest.raises(RuntimeError, match="sigmoid_group"):
+        build("softmax").update_router_bias()
+
+
+def test_switch_aux_loss_is_differentiable_in_router_weight():
+    layer = build("softmax", compute_aux_loss=True)
+    layer(torch.randn(20, 48, dtype=torch.float64))
+    layer.aux_loss.backward()
+    assert layer.gate.weight.grad.abs().sum() > 0
+
+
+def test_presets_have_the_production_shapes():
+    ds = ExpertLayer.deepseek_v3(device="meta")
+    assert ds.experts.gate_up_proj.shape == (256, 4096, 7168)
+    assert ds.experts.down_proj.shape == (256, 7168, 2048)
+    assert ds.shared_experts.gate_proj.weight.shape == (2048, 7168)
+    c = ds.config
+    assert (c.router, c.top_k, c.n_group, c.topk_group, c.routed_scaling_factor, c.norm_topk_prob) == (
+        "sigmoid_group", 8, 8, 4, 2.5, True
+    )
+    qw = ExpertLayer.qwen3_235b(device="meta")
+    assert qw.experts.gate_up_proj.shape == (128, 3072, 4096)
+    assert qw.shared_experts is None and qw.config.router == "softmax" and qw.config.top_k == 8
+    small = ExpertLayer.qwen3_235b(hidden_size=64, num_experts=16, device="meta")
+    assert small.experts.gate_up_proj.shape == (16, 3072, 64)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def test_wrong_hidden_size():
+    with pytest.raises(ValueError, match="hidden_size=48"):
+        build("softmax")(torch.randn(3, 47, dtype=torch.float64))
+
+
+def test_wrong_dtype():
+    with pytest.raises(TypeError, match="float32.*float64"):
+        build("softmax")(torch.randn(3, 48, dtype=torch.float32))
+
+
+def test_integer_input():
+    with pytest.raises(TypeError, match="floating-point"):
+        build("softmax")(torch.ones(3, 48, dtype=torch.int64))
+
+
+def test_input_on_another_device_than_weights():
+    with pytest.raises(ValueError, match="meta.*cpu"):
+        build("softmax")(torch.randn(3, 48, dtype=torch.float64, device="meta"))
+
+
+def test_top_k_larger_than_num_experts():
+    with pytest.raises(ValueError, match="top_k=7 exceeds num_experts=6"):
+        ExpertLayer(48, 40, 6, 7)
+
+
+def test_too_few_experts_survive_group_selection():
+    with pytest.raises(ValueError, match=r"topk_group \* \(num_experts / n_group\)"):
+        ExpertLayer(48, 40, 16, 5, router="sigmoid_group", n_group=8, topk_group=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(router="mystery"), "router must be one of"),
+        (dict(backend="mystery"), "backend must be one of"),
+        (dict(router="sigmoid_group", n_group=4), "not divisible by n_group=4"),
+        (dict(router="sigmoid_group", n_group=2, topk_group=3), "topk_group=3 exceeds n_group=2"),
+        (dict(n_group=2), "only defined for router='sigmoid_group'"),
+        (dict(max_tokens_per_rank=0), "max_tokens_per_rank"),
+    ],
+)
+def test_bad_configuration(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ExpertLayer(48, 40, 6, 2, **kwargs)
+
+
+def test_zero_sizes_rejected():
+    with pytest.raises(ValueError, match="hidden_size must be a positive int"):
+        ExpertLayer(0, 40, 6, 2)
