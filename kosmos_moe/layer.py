@@ -13,10 +13,11 @@ from .balance import switch_aux_loss, tokens_per_expert, update_correction_bias,
 from .config import DEEPSEEK_V3, QWEN3_235B, MoEConfig
 from .distributed import ep_rank_and_world
 from .experts import GroupedExperts, SharedExperts
+from .fabric import Fabric, default_fabric
 from .reference import reference_expert_forward
 from .router import Router
 
-BACKENDS: tuple[str, ...] = ("reference",)
+BACKENDS: tuple[str, ...] = ("reference", "kosmos")
 
 _EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 
@@ -57,6 +58,8 @@ class ExpertLayer(nn.Module):
         compute_aux_loss: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        fabric: Fabric | None = None,
+        workers_per_rank: int | None = None,
     ) -> None:
         super().__init__()
         self.config = MoEConfig(
@@ -75,8 +78,20 @@ class ExpertLayer(nn.Module):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if max_tokens_per_rank is not None and max_tokens_per_rank < 1:
             raise ValueError(f"max_tokens_per_rank must be positive, got {max_tokens_per_rank}")
+        if backend == "kosmos" and max_tokens_per_rank is None:
+            raise ValueError(
+                "backend='kosmos' sizes its buffers for the worst case up front: pass max_tokens_per_rank "
+                "(the most tokens one rank feeds the layer in one call)"
+            )
+        if fabric is not None and backend != "kosmos":
+            raise ValueError("a fabric is only used by backend='kosmos'")
+        if fabric is not None and group is not None:
+            raise ValueError("pass either group (a torch.distributed EP group) or fabric, not both")
         self.group = group
-        self.ep_rank, self.ep_world = ep_rank_and_world(group)
+        if fabric is not None:
+            self.ep_rank, self.ep_world = fabric.rank, fabric.world_size
+        else:
+            self.ep_rank, self.ep_world = ep_rank_and_world(group)
         if num_experts % self.ep_world != 0:
             raise ValueError(
                 f"num_experts={num_experts} is not divisible by the expert-parallel world size {self.ep_world}"
@@ -101,6 +116,9 @@ class ExpertLayer(nn.Module):
             "load_since_bias_update", torch.zeros(num_experts, dtype=torch.int64, device=device), persistent=False
         )
         self.aux_loss: torch.Tensor | None = None
+        self._fabric = fabric
+        self._workers_per_rank = workers_per_rank
+        self._fused = None
 
     # ----------------------------------------------------------------------------------------
     # Presets for the two production layer shapes.
@@ -148,10 +166,23 @@ class ExpertLayer(nn.Module):
                 "cast the input or the layer"
             )
 
+    def fused(self):
+        """The fused-forward launcher of this rank (built on first use; backend='kosmos')."""
+        if self._fused is None:
+            from .fused import FusedForward
+
+            fabric = self._fabric or default_fabric(self.group, self.gate.weight.device)
+            if fabric.device != self.gate.weight.device:
+                raise ValueError(f"the fabric is on {fabric.device}, the layer's weights on {self.gate.weight.device}")
+            self._fused = FusedForward(self.config, fabric, self.max_tokens_per_rank, self._workers_per_rank)
+        return self._fused
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         self._check_input(hidden_states)
         leading = hidden_states.shape[:-1]
         tokens = hidden_states.reshape(-1, self.config.hidden_size)
+        if self.backend == "kosmos":
+            return self._kosmos_forward(tokens).reshape(*leading, self.config.hidden_size)
         routing = self.gate(tokens)
 
         with torch.no_grad():
@@ -168,6 +199,24 @@ class ExpertLayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.reshape(*leading, self.config.hidden_size)
+
+    def _kosmos_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and (tokens.requires_grad or any(p.requires_grad for p in self.parameters())):
+            raise RuntimeError(
+                "backend='kosmos' has a fused forward only, no backward yet: run it under torch.no_grad() "
+                "or torch.inference_mode(), or use backend='reference' for training"
+            )
+        out, top_e = self.fused()(tokens, self)
+        with torch.no_grad():
+            counts = tokens_per_expert(top_e, self.config.num_experts)
+            self.tokens_per_expert.copy_(counts)
+            self.load_since_bias_update.add_(counts)
+        # The kernel keeps the router scores on chip; the auxiliary loss recomputes them.
+        self.aux_loss = None
+        if self.compute_aux_loss:
+            routing = self.gate(tokens)
+            self.aux_loss = switch_aux_loss(routing.scores, routing.experts, self.config.num_experts)
+        return out
 
     # ----------------------------------------------------------------------------------------
     # Load balancing and checkpoints.

@@ -1,0 +1,470 @@
+"""The persistent forward kernel of the expert layer: router to fold in one launch per rank.
+
+Workers
+-------
+Every program of the grid is a worker of its rank. A worker loops: it looks at the heads of
+the task queues below in priority order, takes the first task that is ready, runs it, and
+starts over. Nobody assigns roles: a worker computes when a compute task is ready and moves
+data when none is, so the split between communication and computation follows the data.
+
+Task queues (priority order: the consumer closest to the output first)
+----------------------------------------------------------------------
+FOLD      one per block of BTF local tokens: ``out[t] = sum_k comb[t, k]`` (the weights were
+          applied in the down epilogue; the shared expert's result is slot ``top_k``).
+          Ready when every routed and shared result row of the block has arrived.
+DOWN      routed ``y = h @ Wd^T`` for (local expert, H-block, row tile), row tile fastest so
+          that the workers running at once share one weight block. The epilogue scales by the
+          routing weight and stores each row straight into its source rank's combine buffer
+          (the combine is fused into the GEMM), then signals the source. Ready when all
+          gate/up tiles of the row tile are done.
+SDOWN     the shared expert's down projection, same shape, into the local combine buffer.
+GATE_UP   routed ``h = silu(x Wg^T) * (x Wu^T)`` for (local expert, I-block, row tile).
+          Ready when every source rank has delivered its rows of that expert.
+FEED      route tiles, then the count exchange, then dispatch chunks; taken without a readiness
+          check (these are what everything else waits for):
+            route tile k      router GEMM + top-k for BT tokens; appends each (token, k) to the
+                              send list of its expert and counts it.
+            count exchange    after all route tiles: writes this rank's per-expert counts into
+                              every peer's table and sets its flag there to the call's epoch.
+            dispatch chunk    after every peer's counts are in: copies up to BR rows bound for
+                              one (destination, expert) into the destination's expert-major
+                              receive buffer, then adds the row count to the destination's
+                              arrival counter of (this source, that expert). Chunks are ordered
+                              by local expert index, the order in which receivers consume them.
+SGATE_UP  the shared expert's gate/up tiles: always ready, so they fill idle time, last.
+
+Why it cannot deadlock (DESIGN.md invariant 2)
+----------------------------------------------
+Only FEED tasks are claimed before they are ready, and a FEED task waits only on FEED tasks
+that precede it in some rank's queue: the count exchange on this rank's route tiles (already
+claimed by running workers, which wait on nothing), a dispatch chunk on every rank's count
+exchange (which waits only on that rank's route tiles). Every other task is claimed only after
+its readiness check passed, so it never waits. Readiness itself follows the order
+FEED < GATE_UP < DOWN < FOLD across all ranks, a single topological order; a worker that finds
+nothing ready re-checks, and the earliest unfinished task in that order is always either
+running or claimable. So the protocol finishes with any number of workers per rank, one
+included, provided every rank's kernel is running (the fabric guarantees residency).
+
+Epochs and buffer reuse
+-----------------------
+Count-exchange flags hold the epoch of the call (1, 2, ...), so they never need resetting; the
+count table is double-buffered by epoch parity because a peer may run one call ahead (never
+two: its next dispatch needs this rank's next counts). All other counters are reset by the
+last worker to leave, which is safe because every write a peer makes to them in a call is
+awaited by this rank in the same call. The epoch is then advanced in memory, so consecutive
+launches (or CUDA graph replays) need no host work.
+
+Waits are bounded by ``wait_bound`` polls. A worker that exceeds it writes an error record
+(kind, rank, task, peer, index, expected, observed), raises the abort flag and leaves; the
+host turns the record into an exception.
+"""
+
+import triton
+import triton.language as tl
+
+from .route import router_logits, top_k_routing
+from .signals import (
+    ERR_COMBINE, ERR_COUNTS, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
+    peer_ptr, record_error, signal_add,
+)
+from .tile_gemm import down_tile, gate_up_tile
+
+# Queue slots in the control block.
+Q_FEED = 0
+Q_GATE_UP = 1
+Q_DOWN = 2
+Q_SGATE_UP = 3
+Q_SDOWN = 4
+Q_FOLD = 5
+
+# Fixed control words (int32 indices into a rank's workspace).
+C_EPOCH = 0
+C_EXIT = 1
+C_ABORT = 2
+C_ROUTE_DONE = 3
+C_HEADS = 8
+C_ERR = 16
+C_FIXED = 32
+
+
+@triton.jit
+def _pick(vec, idx, i):
+    return tl.sum(tl.where(idx == i, vec, 0), axis=0)
+
+
+@triton.jit
+def _locate(cum, idx, task):
+    """For an inclusive prefix sum ``cum``: the bucket holding ``task`` and its first task."""
+    bucket = tl.sum((cum <= task).to(tl.int32), axis=0)
+    start = tl.sum(tl.where(idx == bucket - 1, cum, 0), axis=0)
+    return bucket, start
+
+
+@triton.jit
+def _recv_table(ctl, par, me, W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constexpr,
+                E_L: tl.constexpr, EL_PAD: tl.constexpr, C_TABLE: tl.constexpr):
+    """``[W_PAD, EL_PAD]``: rows each source sends to each of this rank's local experts."""
+    src = tl.arange(0, W_PAD)[:, None]
+    el = tl.arange(0, EL_PAD)[None, :]
+    return tl.load(ctl + C_TABLE + par * W * E + src * E + me * E_L + el,
+                   mask=(src < W) & (el < E_L), other=0)
+
+
+@triton.jit
+def expert_forward_kernel(
+    x_ptr, out_ptr, n_tokens,
+    router_w_ptr, bias_ptr, scale,
+    w_gate_up_ptr, w_down_ptr, s_gate_ptr, s_up_ptr, s_down_ptr,
+    peers_ptr, me, wait_bound,
+    # Shapes.
+    H: tl.constexpr, I: tl.constexpr, I_S: tl.constexpr,
+    E: tl.constexpr, E_L: tl.constexpr, TOP_K: tl.constexpr, W: tl.constexpr, T_MAX: tl.constexpr,
+    TILE_CAP: tl.constexpr,
+    # Router.
+    SIGMOID_GROUP: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+    NORM_TOPK: tl.constexpr, ROUTER_PRECISION: tl.constexpr,
+    # Workspace layout: int32 word indices, and byte offsets for the other regions.
+    C_SEND_CNT: tl.constexpr, C_TABLE: tl.constexpr, C_FLAG: tl.constexpr, C_ARRIVED: tl.constexpr,
+    C_GU_DONE: tl.constexpr, C_COMB_ARR: tl.constexpr, C_SEND_LIST: tl.constexpr,
+    C_TOPK_E: tl.constexpr, C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_WORDS: tl.constexpr,
+    B_TOPK_W: tl.constexpr, B_RECV_W: tl.constexpr, B_RECV_X: tl.constexpr, B_H_R: tl.constexpr,
+    B_H_S: tl.constexpr, B_COMB: tl.constexpr,
+    # Tiles.
+    BT: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
+    BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
+    # Padded sizes for index vectors.
+    E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    G_PAD: tl.constexpr, O_PAD: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr,
+):
+    DT = x_ptr.dtype.element_ty
+    ES: tl.constexpr = DT.primitive_bitwidth // 8
+    SLOTS: tl.constexpr = TOP_K + (1 if I_S > 0 else 0)
+    N_IB: tl.constexpr = (I + BN_GU - 1) // BN_GU
+    N_IB_S: tl.constexpr = (I_S + BN_GU - 1) // BN_GU
+    N_HB: tl.constexpr = (H + BN_DN - 1) // BN_DN
+    EXPECT_PER_TOKEN: tl.constexpr = SLOTS * N_HB
+
+    ctl = peer_ptr(peers_ptr, me, 0, tl.int32)
+    heads = ctl + C_HEADS
+    err = ctl + C_ERR
+    abort = ctl + C_ABORT
+    topk_w = peer_ptr(peers_ptr, me, B_TOPK_W, tl.float32)
+    recv_w = peer_ptr(peers_ptr, me, B_RECV_W, tl.float32)
+    recv_x = peer_ptr(peers_ptr, me, B_RECV_X, DT)
+    h_r = peer_ptr(peers_ptr, me, B_H_R, DT)
+    h_s = peer_ptr(peers_ptr, me, B_H_S, DT)
+    comb = peer_ptr(peers_ptr, me, B_COMB, DT)
+
+    epoch = tl.load(ctl + C_EPOCH) + 1
+    par = epoch % 2
+    n_route = tl.cdiv(n_tokens, BT)
+    n_feed = n_route + 1 + tl.cdiv(n_tokens * TOP_K, BR) + E
+    SHARED: tl.constexpr = 1 if I_S > 0 else 0
+    n_tiles_s = tl.cdiv(n_tokens, BM) * SHARED
+    n_sgu = n_tiles_s * N_IB_S
+    n_sdn = n_tiles_s * N_HB
+    n_fold = tl.cdiv(n_tokens, BTF)
+
+    w_idx = tl.arange(0, W_PAD)
+    el_idx = tl.arange(0, EL_PAD)
+    o_idx = tl.arange(0, O_PAD)
+
+    running = 1
+    idle = 0
+    while running > 0:
+        did = 0
+        # ---- What this rank receives, once every peer's counts are in. ----
+        flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
+        known = tl.sum(((flags == epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+        tl.debug_barrier()
+        table = _recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE)
+        table = tl.where(known, table, 0)
+        n_el = tl.sum(table, axis=0)                      # rows per local expert
+        tiles_el = tl.cdiv(n_el, BM)
+        tile_start_el = tl.cumsum(tiles_el, axis=0) - tiles_el
+        row_start_el = tl.cumsum(n_el, axis=0) - n_el
+        cum_gu = tl.cumsum(tiles_el * N_IB, axis=0)
+        cum_dn = tl.cumsum(tiles_el * N_HB, axis=0)
+        n_gu = tl.sum(tiles_el * N_IB, axis=0)
+        n_dn = tl.sum(tiles_el * N_HB, axis=0)
+
+        # ---- FOLD ----
+        f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+        if f < n_fold:
+            toks = f * BTF + tl.arange(0, BTF)
+            tok_ok = toks < n_tokens
+            arr = tl.atomic_add(ctl + C_COMB_ARR + w_idx[:, None] * T_MAX + toks[None, :], 0,
+                                mask=(w_idx[:, None] < W) & tok_ok[None, :], sem="acquire", scope=SCOPE)
+            got = tl.sum(arr, axis=0)
+            if tl.sum(((got != EXPECT_PER_TOKEN) & tok_ok).to(tl.int32), axis=0) == 0:
+                if tl.atomic_cas(heads + Q_FOLD, f, f + 1, sem="relaxed") == f:
+                    tl.debug_barrier()
+                    t64 = toks.to(tl.int64)
+                    for h0 in tl.range(0, H, BHF):
+                        cols = h0 + tl.arange(0, BHF)
+                        m2 = tok_ok[:, None] & (cols < H)[None, :]
+                        acc = tl.zeros([BTF, BHF], dtype=tl.float32)
+                        for s in tl.static_range(SLOTS):
+                            acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
+                                           mask=m2, other=0.0).to(tl.float32)
+                        tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
+                    did = 1
+
+        # ---- DOWN (routed) ----
+        if did == 0:
+            q = tl.atomic_add(heads + Q_DOWN, 0, sem="relaxed")
+            if known & (q < n_dn):
+                e, first = _locate(cum_dn, el_idx, q)
+                n_rows_e = _pick(n_el, el_idx, e)
+                n_tiles_e = _pick(tiles_el, el_idx, e)
+                local = q - first
+                hb = local // n_tiles_e
+                m = local % n_tiles_e
+                tile = _pick(tile_start_el, el_idx, e) + m
+                if tl.atomic_add(ctl + C_GU_DONE + tile, 0, sem="acquire", scope="gpu") == N_IB:
+                    if tl.atomic_cas(heads + Q_DOWN, q, q + 1, sem="relaxed") == q:
+                        tl.debug_barrier()
+                        row0 = _pick(row_start_el, el_idx, e) + m * BM
+                        n_rows = tl.minimum(n_rows_e - m * BM, BM)
+                        acc = down_tile(h_r + row0.to(tl.int64) * I, n_rows,
+                                        w_down_ptr + e.to(tl.int64) * H * I, hb * BN_DN,
+                                        I, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                        rows = row0 + tl.arange(0, BM)
+                        row_ok = tl.arange(0, BM) < n_rows
+                        wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
+                        src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+                        ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+                        tok = ent // TOP_K
+                        slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
+                        base = tl.load(peers_ptr + src, mask=row_ok, other=0)
+                        cols = hb * BN_DN + tl.arange(0, BN_DN)
+                        dst = (base + B_COMB + slot * H * ES)[:, None] + cols[None, :].to(tl.int64) * ES
+                        tl.store(dst.to(tl.pointer_type(DT)), (acc * wgt[:, None]).to(DT),
+                                 mask=row_ok[:, None] & (cols < H)[None, :])
+                        tl.debug_barrier()
+                        arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+                        tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                        did = 1
+
+        # ---- SDOWN (shared expert) ----
+        if did == 0:
+            q = tl.atomic_add(heads + Q_SDOWN, 0, sem="relaxed")
+            if q < n_sdn:
+                hb = q // n_tiles_s
+                m = q % n_tiles_s
+                if tl.atomic_add(ctl + C_GU_DONE + TILE_CAP + m, 0, sem="acquire", scope="gpu") == N_IB_S:
+                    if tl.atomic_cas(heads + Q_SDOWN, q, q + 1, sem="relaxed") == q:
+                        tl.debug_barrier()
+                        t0 = m * BM
+                        n_rows = tl.minimum(n_tokens - t0, BM)
+                        acc = down_tile(h_s + t0.to(tl.int64) * I_S, n_rows, s_down_ptr, hb * BN_DN,
+                                        I_S, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                        toks = t0 + tl.arange(0, BM)
+                        row_ok = tl.arange(0, BM) < n_rows
+                        cols = hb * BN_DN + tl.arange(0, BN_DN)
+                        dst = comb + (toks.to(tl.int64) * SLOTS + TOP_K)[:, None] * H + cols[None, :]
+                        tl.store(dst, acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
+                        signal_add(ctl + C_COMB_ARR + me * T_MAX + toks, tl.where(row_ok, 1, 0), "gpu")
+                        did = 1
+
+        # ---- GATE_UP (routed) ----
+        if did == 0:
+            g = tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed")
+            if known & (g < n_gu):
+                e, first = _locate(cum_gu, el_idx, g)
+                n_rows_e = _pick(n_el, el_idx, e)
+                arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
+                                        sem="acquire", scope=SCOPE)
+                if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
+                    if tl.atomic_cas(heads + Q_GATE_UP, g, g + 1, sem="relaxed") == g:
+                        tl.debug_barrier()
+                        n_tiles_e = _pick(tiles_el, el_idx, e)
+                        local = g - first
+                        ib = local // n_tiles_e
+                        m = local % n_tiles_e
+                        row0 = _pick(row_start_el, el_idx, e) + m * BM
+                        n_rows = tl.minimum(n_rows_e - m * BM, BM)
+                        w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+                        gate_up_tile(recv_x + row0.to(tl.int64) * H, n_rows, w_e, w_e + I * H,
+                                     h_r + row0.to(tl.int64) * I, ib * BN_GU,
+                                     H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                        signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
+                        did = 1
+
+        # ---- FEED: route tiles, count exchange, dispatch chunks ----
+        if did == 0:
+            if tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") < n_feed:
+                a = tl.atomic_add(heads + Q_FEED, 1, sem="relaxed")
+                if a < n_route:
+                    # Route tile: logits, top-k, and this rank's send lists.
+                    t0 = a * BT
+                    n_rows = tl.minimum(n_tokens - t0, BT)
+                    logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
+                                           H, E, BT, E_PAD, BK, ROUTER_PRECISION)
+                    experts, weights = top_k_routing(logits, bias_ptr, scale, E, E_PAD, TOP_K,
+                                                     SIGMOID_GROUP, N_GROUP, TOPK_GROUP, G_PAD,
+                                                     K_PAD, NORM_TOPK)
+                    toks = t0 + tl.arange(0, BT)
+                    kk = tl.arange(0, K_PAD)
+                    ok = (tl.arange(0, BT) < n_rows)[:, None] & (kk < TOP_K)[None, :]
+                    ent = toks[:, None] * TOP_K + kk[None, :]
+                    tl.store(ctl + C_TOPK_E + ent, experts, mask=ok)
+                    tl.store(topk_w + ent, weights, mask=ok)
+                    pos = tl.atomic_add(ctl + C_SEND_CNT + experts, 1, mask=ok, sem="relaxed", scope="gpu")
+                    tl.store(ctl + C_SEND_LIST + experts.to(tl.int64) * T_MAX + pos, ent, mask=ok)
+                    signal_add(ctl + C_ROUTE_DONE, 1, "gpu")
+                elif a == n_route:
+                    # Count exchange: publish this rank's counts to every rank, itself included.
+                    done = tl.atomic_add(ctl + C_ROUTE_DONE, 0, sem="acquire", scope="gpu")
+                    polls = 0
+                    while (done != n_route) & (polls <= wait_bound):
+                        done = tl.atomic_add(ctl + C_ROUTE_DONE, 0, sem="acquire", scope="gpu")
+                        polls += 1
+                    if done != n_route:
+                        record_error(err, abort, ERR_ROUTE, me, a, me, 0, n_route, done)
+                    else:
+                        tl.debug_barrier()
+                        e_idx = tl.arange(0, E_PAD)
+                        counts = tl.load(ctl + C_SEND_CNT + e_idx, mask=e_idx < E, other=0)
+                        for dst in tl.static_range(W):
+                            peer_table = peer_ptr(peers_ptr, dst, (C_TABLE + par * W * E + me * E) * 4, tl.int32)
+                            tl.store(peer_table + e_idx, counts, mask=e_idx < E)
+                        tl.debug_barrier()
+                        for dst in tl.static_range(W):
+                            tl.atomic_xchg(peer_ptr(peers_ptr, dst, (C_FLAG + me) * 4, tl.int32), epoch,
+                                           sem="release", scope=SCOPE)
+                elif a < n_feed:
+                    # Dispatch chunk: wait for every rank's counts, then copy rows.
+                    polls = 0
+                    all_in = known
+                    while (all_in == 0) & (polls <= wait_bound):
+                        fl = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
+                        all_in = tl.sum(((fl == epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+                        polls += 1
+                    if all_in == 0:
+                        fl = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
+                        missing = tl.min(tl.where((fl != epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
+                        record_error(err, abort, ERR_COUNTS, me, a, missing, 0, epoch,
+                                     _pick(fl, w_idx, missing))
+                    else:
+                        tl.debug_barrier()
+                        d = a - n_route - 1
+                        # Order (local expert, destination): the receivers' consumption order.
+                        o_el = o_idx // W
+                        o_dst = o_idx % W
+                        n_o = tl.load(ctl + C_TABLE + par * W * E + me * E + o_dst * E_L + o_el,
+                                      mask=o_idx < E, other=0)
+                        cum = tl.cumsum(tl.cdiv(n_o, BR), axis=0)
+                        if d < tl.sum(tl.cdiv(n_o, BR), axis=0):
+                            o, first = _locate(cum, o_idx, d)
+                            el = o // W
+                            dst = o % W
+                            e_glob = dst * E_L + el
+                            n_rows_o = _pick(n_o, o_idx, o)
+                            pos = (d - first) * BR + tl.arange(0, BR)
+                            row_ok = pos < n_rows_o
+                            ent = tl.load(ctl + C_SEND_LIST + e_glob.to(tl.int64) * T_MAX + pos, mask=row_ok, other=0)
+                            tok = (ent // TOP_K).to(tl.int64)
+                            # The destination's expert-major slot of each row.
+                            src2 = w_idx[:, None]
+                            el2 = el_idx[None, :]
+                            dst_tab = tl.load(ctl + C_TABLE + par * W * E + src2 * E + dst * E_L + el2,
+                                              mask=(src2 < W) & (el2 < E_L), other=0)
+                            expert_base = tl.sum(tl.sum(tl.where(el2 < el, dst_tab, 0), axis=1), axis=0)
+                            src_off = tl.sum(tl.sum(tl.where((el2 == el) & (src2 < me), dst_tab, 0), axis=1), axis=0)
+                            slot = (expert_base + src_off + pos).to(tl.int64)
+                            dst_x = peer_ptr(peers_ptr, dst, B_RECV_X, DT)
+                            for h0 in tl.range(0, H, BH):
+                                cols = h0 + tl.arange(0, BH)
+                                m2 = row_ok[:, None] & (cols < H)[None, :]
+                                v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=m2)
+                                tl.store(dst_x + slot[:, None] * H + cols[None, :], v, mask=m2)
+                            dst_ctl = peer_ptr(peers_ptr, dst, 0, tl.int32)
+                            tl.store(dst_ctl + C_RECV_SRC + slot, tl.zeros_like(ent) + me, mask=row_ok)
+                            tl.store(dst_ctl + C_RECV_ENT + slot, ent, mask=row_ok)
+                            tl.store(peer_ptr(peers_ptr, dst, B_RECV_W, tl.float32) + slot,
+                                     tl.load(topk_w + ent, mask=row_ok, other=0.0), mask=row_ok)
+                            signal_add(dst_ctl + C_ARRIVED + me * E_L + el,
+                                       tl.sum(row_ok.to(tl.int32), axis=0), SCOPE)
+                did = 1
+
+        # ---- SGATE_UP (shared expert): always ready, so it fills idle time ----
+        if did == 0:
+            if tl.atomic_add(heads + Q_SGATE_UP, 0, sem="relaxed") < n_sgu:
+                g = tl.atomic_add(heads + Q_SGATE_UP, 1, sem="relaxed")
+                if g < n_sgu:
+                    ib = g // n_tiles_s
+                    m = g % n_tiles_s
+                    t0 = m * BM
+                    gate_up_tile(x_ptr + t0.to(tl.int64) * H, tl.minimum(n_tokens - t0, BM),
+                                 s_gate_ptr, s_up_ptr, h_s + t0.to(tl.int64) * I_S, ib * BN_GU,
+                                 H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                    signal_add(ctl + C_GU_DONE + TILE_CAP + m, 1, "gpu")
+                did = 1
+
+        # ---- Nothing taken: finished, aborted, or waiting. ----
+        if did == 0:
+            finished = (
+                (tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") >= n_feed)
+                & (tl.atomic_add(heads + Q_SGATE_UP, 0, sem="relaxed") >= n_sgu)
+                & (tl.atomic_add(heads + Q_SDOWN, 0, sem="relaxed") >= n_sdn)
+                & (tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed") >= n_fold)
+                & known
+                & (tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed") >= n_gu)
+                & (tl.atomic_add(heads + Q_DOWN, 0, sem="relaxed") >= n_dn)
+            )
+            if finished:
+                running = 0
+            else:
+                idle += 1
+                if idle > wait_bound:
+                    # Name the earliest thing this rank is still waiting for.
+                    if known == 0:
+                        missing = tl.min(tl.where((flags != epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
+                        record_error(err, abort, ERR_COUNTS, me, -1, missing, 0, epoch, _pick(flags, w_idx, missing))
+                    elif tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed") < n_gu:
+                        g = tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed")
+                        e, first = _locate(cum_gu, el_idx, g)
+                        arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
+                                                sem="acquire", scope=SCOPE)
+                        record_error(err, abort, ERR_ROWS, me, g, -1, e, _pick(n_el, el_idx, e),
+                                     tl.sum(tl.where(w_idx < W, arrived, 0), axis=0))
+                    elif tl.atomic_add(heads + Q_DOWN, 0, sem="relaxed") < n_dn:
+                        record_error(err, abort, ERR_GATE_UP, me, tl.atomic_add(heads + Q_DOWN, 0, sem="relaxed"),
+                                     -1, 0, N_IB, 0)
+                    elif tl.atomic_add(heads + Q_SDOWN, 0, sem="relaxed") < n_sdn:
+                        record_error(err, abort, ERR_SHARED, me, tl.atomic_add(heads + Q_SDOWN, 0, sem="relaxed"),
+                                     -1, 0, N_IB_S, 0)
+                    else:
+                        f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+                        toks = f * BTF + tl.arange(0, BTF)
+                        tok_ok = toks < n_tokens
+                        arr = tl.atomic_add(ctl + C_COMB_ARR + w_idx[:, None] * T_MAX + toks[None, :], 0,
+                                            mask=(w_idx[:, None] < W) & tok_ok[None, :], sem="acquire", scope=SCOPE)
+                        got = tl.sum(arr, axis=0)
+                        bad = tl.min(tl.where((got != EXPECT_PER_TOKEN) & tok_ok, toks, n_tokens), axis=0)
+                        record_error(err, abort, ERR_COMBINE, me, f, -1, bad, EXPECT_PER_TOKEN,
+                                     _pick(got, toks, bad))
+        else:
+            idle = 0
+        if tl.atomic_add(abort, 0, sem="relaxed") != 0:
+            running = 0
+
+    # ---- Leave; the last worker out resets the counters for the next call. ----
+    tl.debug_barrier()
+    if tl.atomic_add(ctl + C_EXIT, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        if tl.atomic_add(abort, 0, sem="relaxed") == 0:
+            RESET: tl.constexpr = 1024
+            for w0 in tl.range(C_SEND_CNT, C_SEND_CNT + E, RESET):   # send counts (the table is kept)
+                idx = w0 + tl.arange(0, RESET)
+                tl.store(ctl + idx, tl.zeros([RESET], tl.int32), mask=idx < C_SEND_CNT + E)
+            for w0 in tl.range(C_ARRIVED, C_SEND_LIST, RESET):  # arrivals, gate/up tiles, combine
+                idx = w0 + tl.arange(0, RESET)
+                tl.store(ctl + idx, tl.zeros([RESET], tl.int32), mask=idx < C_SEND_LIST)
+            heads_idx = tl.arange(0, 8)
+            tl.store(ctl + C_HEADS + heads_idx, tl.zeros([8], tl.int32))
+            tl.store(ctl + C_ROUTE_DONE, 0)
+            tl.store(ctl + C_EXIT, 0)
+            tl.debug_barrier()
+            tl.store(ctl + C_EPOCH, epoch)

@@ -1,0 +1,99 @@
+"""Router tile: fp32 logits, scoring and top-k for a block of tokens.
+
+Matches kosmos_moe.router exactly (same rules, same order of choices): softmax top-k with
+optional renormalisation, or DeepSeek-V3's sigmoid scores with a bias-corrected,
+group-limited choice and unbiased, renormalised, scaled weights.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def router_logits(
+    x_ptr, n_rows, w_ptr,
+    H: tl.constexpr, E: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr, BK: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """fp32 ``x[:BT] @ W^T`` for ``W`` ``[E, H]``; padded rows and columns are zero."""
+    rows = tl.arange(0, BT)
+    cols = tl.arange(0, E_PAD)
+    ks = tl.arange(0, BK)
+    row_ok = rows < n_rows
+    col_ok = cols < E
+    acc = tl.zeros([BT, E_PAD], dtype=tl.float32)
+    for k0 in tl.range(0, H, BK):
+        k_ok = (k0 + ks) < H
+        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * H + (k0 + ks)[None, :],
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        b = tl.load(w_ptr + cols[None, :] * H + (k0 + ks)[:, None],
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def top_k_routing(
+    logits, bias_ptr, scale,
+    E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
+    SIGMOID_GROUP: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    K_PAD: tl.constexpr, NORM_TOPK: tl.constexpr,
+):
+    """Return ``(experts, weights)``, ``[BT, K_PAD]`` int32 global ids and fp32 weights.
+
+    Columns past ``TOP_K`` are zero. Implemented as ``TOP_K`` rounds of arg-max so the choices come out in descending order, as
+    ``torch.topk`` gives them.
+    """
+    cols = tl.arange(0, E_PAD)
+    col_ok = (cols < E)[None, :]
+    neg_inf = float("-inf")
+    if SIGMOID_GROUP:
+        scores = tl.sigmoid(logits)
+        bias = tl.load(bias_ptr + cols, mask=cols < E, other=0.0)
+        choice = tl.where(col_ok, scores + bias[None, :], neg_inf)
+        if N_GROUP > 1:
+            GROUP_SIZE: tl.constexpr = E // N_GROUP
+            groups = tl.arange(0, G_PAD)
+            group_of_col = cols // GROUP_SIZE
+            group_score = tl.full([logits.shape[0], G_PAD], neg_inf, tl.float32)
+            for g in tl.static_range(N_GROUP):
+                in_group = (group_of_col == g)[None, :]
+                masked = tl.where(in_group, choice, neg_inf)
+                first = tl.argmax(masked, axis=1, tie_break_left=True)
+                top1 = tl.max(masked, axis=1)
+                score_g = top1
+                if GROUP_SIZE > 1:
+                    second = tl.max(tl.where(cols[None, :] == first[:, None], neg_inf, masked), axis=1)
+                    score_g = top1 + second
+                group_score = tl.where((groups == g)[None, :], score_g[:, None], group_score)
+            keep_col = tl.zeros([logits.shape[0], E_PAD], dtype=tl.int1)
+            for _ in tl.static_range(TOPK_GROUP):
+                g_best = tl.argmax(group_score, axis=1, tie_break_left=True)
+                group_score = tl.where(groups[None, :] == g_best[:, None], neg_inf, group_score)
+                keep_col = keep_col | (group_of_col[None, :] == g_best[:, None])
+            choice = tl.where(keep_col, choice, neg_inf)
+    else:
+        shifted = tl.where(col_ok, logits, neg_inf)
+        shifted = shifted - tl.max(shifted, axis=1)[:, None]
+        numer = tl.exp(shifted)
+        scores = numer / tl.sum(numer, axis=1)[:, None]
+        choice = tl.where(col_ok, scores, neg_inf)
+
+    kcols = tl.arange(0, K_PAD)[None, :]
+    experts = tl.zeros([logits.shape[0], K_PAD], dtype=tl.int32)
+    weights = tl.zeros([logits.shape[0], K_PAD], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        best = tl.argmax(choice, axis=1, tie_break_left=True)
+        hit = cols[None, :] == best[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        choice = tl.where(hit, neg_inf, choice)
+        experts = tl.where(kcols == i, best.to(tl.int32)[:, None], experts)
+        weights = tl.where(kcols == i, w[:, None], weights)
+    total = tl.sum(weights, axis=1)[:, None]
+    if SIGMOID_GROUP:
+        if NORM_TOPK:
+            weights = weights / (total + 1e-20)
+        weights = weights * scale
+    elif NORM_TOPK:
+        weights = weights / total
+    return experts, weights

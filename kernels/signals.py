@@ -1,0 +1,47 @@
+"""Signals between workers and ranks: typed peer pointers, release/acquire, error records.
+
+Protocol (DESIGN.md invariant 3): a producer stores its data from every thread, then
+``tl.debug_barrier()``, then one release atomic on the signal. A consumer polls with acquire
+atomics, then ``tl.debug_barrier()``, then loads. The barrier after the poll makes the acquire
+observed by the polling threads order the loads of every thread of the program.
+
+Only ``tl.atomic_*`` are used, so the interpreter runs the same code as the GPU.
+"""
+
+import triton
+import triton.language as tl
+
+# Error kinds written to the error record; decoded by kosmos_moe.fused.
+ERR_COUNTS = 1      # waited for the count-exchange signal of a peer
+ERR_ROUTE = 2       # waited for this rank's own route tiles
+ERR_ROWS = 3        # waited for dispatched rows of a local expert
+ERR_GATE_UP = 4     # waited for the gate/up tiles of a row tile
+ERR_COMBINE = 5     # waited for combined results of a local token
+ERR_SHARED = 6      # waited for the shared expert's gate/up tiles
+
+
+@triton.jit
+def peer_ptr(peers_ptr, rank, byte_offset, DTYPE: tl.constexpr):
+    """Typed pointer ``byte_offset`` bytes into ``rank``'s workspace (scalar or vector rank)."""
+    base = tl.load(peers_ptr + rank)
+    return (base + byte_offset).to(tl.pointer_type(DTYPE))
+
+
+@triton.jit
+def signal_add(ptr, value, SCOPE: tl.constexpr):
+    """Publish the data every thread stored before this call, then add ``value`` to the signal."""
+    tl.debug_barrier()
+    tl.atomic_add(ptr, value, sem="release", scope=SCOPE)
+
+
+@triton.jit
+def record_error(err_ptr, abort_ptr, kind, rank, task, peer, index, expected, observed):
+    """Keep the first timeout of this rank and tell every worker to stop."""
+    if tl.atomic_cas(err_ptr, 0, kind, sem="relaxed") == 0:
+        tl.store(err_ptr + 1, rank)
+        tl.store(err_ptr + 2, task)
+        tl.store(err_ptr + 3, peer)
+        tl.store(err_ptr + 4, index)
+        tl.store(err_ptr + 5, expected)
+        tl.store(err_ptr + 6, observed)
+    tl.atomic_xchg(abort_ptr, 1, sem="release", scope="gpu")

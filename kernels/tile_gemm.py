@@ -1,0 +1,67 @@
+"""Tile GEMMs of the SwiGLU experts: one output tile per call, fp32 accumulation.
+
+Weights are in the Hugging Face layout, output-major with the reduction dimension contiguous
+(``gate``/``up`` ``[I, H]``, ``down`` ``[H, I]``), so a ``[BK, BN]`` operand tile is the
+transpose of a row-major block; ``tl.dot`` takes it as is.
+
+``DOT_DTYPE`` is the operand type handed to ``tl.dot``: the activation dtype on the GPU, and
+fp32 under the interpreter, whose bf16 ``tl.dot`` is wrong (DESIGN.md).
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gate_up_tile(
+    a_ptr, n_rows, w_gate_ptr, w_up_ptr, h_ptr, n0,
+    K_DIM: tl.constexpr, N_DIM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``h[:n_rows, n0:n0+BN] = silu(a @ Wg^T) * (a @ Wu^T)`` for a row-contiguous ``a``."""
+    rows = tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    row_ok = rows < n_rows
+    col_ok = cols < N_DIM
+    a_rows = a_ptr + rows.to(tl.int64)[:, None] * K_DIM
+    wg_cols = w_gate_ptr + cols.to(tl.int64)[None, :] * K_DIM
+    wu_cols = w_up_ptr + cols.to(tl.int64)[None, :] * K_DIM
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        k_ok = (k0 + ks) < K_DIM
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        bg = tl.load(wg_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        bu = tl.load(wu_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        a = a.to(DOT_DTYPE)
+        acc_g = tl.dot(a, bg.to(DOT_DTYPE), acc_g)
+        acc_u = tl.dot(a, bu.to(DOT_DTYPE), acc_u)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    out = h_ptr + rows.to(tl.int64)[:, None] * N_DIM + cols[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def down_tile(
+    h_ptr, n_rows, w_down_ptr, n0,
+    K_DIM: tl.constexpr, N_DIM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Return the fp32 tile ``h[:BM] @ Wd[n0:n0+BN]^T`` (rows past ``n_rows`` are zero)."""
+    rows = tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    row_ok = rows < n_rows
+    col_ok = cols < N_DIM
+    h_rows = h_ptr + rows.to(tl.int64)[:, None] * K_DIM
+    w_cols = w_down_ptr + cols.to(tl.int64)[None, :] * K_DIM
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        k_ok = (k0 + ks) < K_DIM
+        a = tl.load(h_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
+    return acc

@@ -1,0 +1,198 @@
+"""The fabric: where each rank's workspace lives and how peers address it.
+
+The fused kernels take one thing from the fabric: an int64 table of every rank's workspace
+base address, plus the local rank. Three fabrics fill that table:
+
+* :class:`SymmetricMemoryFabric`: one process per GPU (``torchrun``), workspaces from
+  ``torch.distributed._symmetric_memory``; peers are reached over NVLink by plain loads and
+  stores, signals use system-scope atomics.
+* :class:`EmulatedWorld`: R virtual ranks in one process on one device. On a GPU each rank
+  launches on its own stream with at most ``SMs / R`` workers, so all ranks are resident at
+  once. On the CPU it is limited to one rank (Triton's interpreter runs programs one after
+  another, so two ranks in one process would wait on each other forever).
+* :class:`SharedFileFabric`: R CPU processes (a gloo group) running the kernels under Triton's
+  interpreter, with workspaces in ``/dev/shm`` files that every rank maps.
+
+A workspace request is collective: every rank of a fabric makes the same requests in the
+same order, and the n-th request of each rank is paired with the n-th of its peers.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Workspace:
+    """One rank's workspace (``local``, uint8) and every rank's base address (``peers``)."""
+
+    local: torch.Tensor
+    peers: torch.Tensor
+    keepalive: tuple = ()
+
+
+class Fabric:
+    """A rank's view of an expert-parallel world: its rank, the world size, peer memory."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    #: Scope of the signal atomics: "sys" when peers are other devices, else "gpu".
+    signal_scope: str = "gpu"
+    #: How many ranks share this device; each gets at most SMs / ranks_per_device workers.
+    ranks_per_device: int = 1
+
+    def workspace(self, nbytes: int) -> Workspace:
+        raise NotImplementedError
+
+    def max_workers(self) -> int:
+        """Workers per rank that are guaranteed resident together with every co-located rank."""
+        if self.device.type != "cuda":
+            return 1
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(1, sms // self.ranks_per_device)
+
+
+class EmulatedWorld:
+    """R virtual ranks on one device, driven from one thread.
+
+    ``world.rank(r)`` is the fabric of rank r. Launches never wait on the host, so calling each
+    rank's layer in turn, each under :meth:`run`'s per-rank stream, keeps all R kernels in
+    flight together.
+    """
+
+    def __init__(self, world_size: int, device: torch.device | str = "cuda") -> None:
+        self.world_size = world_size
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        if self.device.type != "cuda" and world_size > 1:
+            raise ValueError(
+                "an emulated world of several ranks needs a GPU; on the CPU use one process per rank "
+                "(SharedFileFabric), since Triton's interpreter runs programs one after another"
+            )
+        self._allocations: list[list[torch.Tensor]] = []
+        self._requests = [0] * world_size
+        self.streams = (
+            [torch.cuda.Stream(self.device) for _ in range(world_size)] if self.device.type == "cuda" else None
+        )
+
+    def rank(self, r: int) -> "EmulatedFabric":
+        if not 0 <= r < self.world_size:
+            raise ValueError(f"rank {r} outside an emulated world of {self.world_size}")
+        return EmulatedFabric(self, r)
+
+    def _workspace(self, r: int, nbytes: int) -> Workspace:
+        n = self._requests[r]
+        self._requests[r] += 1
+        if n == len(self._allocations):
+            self._allocations.append(
+                [torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+            )
+        buffers = self._allocations[n]
+        if buffers[r].numel() != nbytes:
+            raise ValueError(
+                f"rank {r} asked for a workspace of {nbytes} bytes, its peers for {buffers[r].numel()}: "
+                "every rank must build the same layer with the same max_tokens_per_rank"
+            )
+        peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
+        return Workspace(buffers[r], peers)
+
+    def run(self, fn, *per_rank_args):
+        """Call ``fn(r, *args_r)`` for every rank, each on its own stream; return the results.
+
+        The caller's stream waits for every rank before the results are used.
+        """
+        results = []
+        if self.streams is None:
+            return [fn(r, *(a[r] for a in per_rank_args)) for r in range(self.world_size)]
+        current = torch.cuda.current_stream(self.device)
+        for r, stream in enumerate(self.streams):
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                results.append(fn(r, *(a[r] for a in per_rank_args)))
+        for stream in self.streams:
+            current.wait_stream(stream)
+        return results
+
+
+class EmulatedFabric(Fabric):
+    """Rank ``rank`` of an :class:`EmulatedWorld`."""
+
+    def __init__(self, world: EmulatedWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.world_size = world.world_size
+        self.device = world.device
+        self.ranks_per_device = world.world_size
+
+    def workspace(self, nbytes: int) -> Workspace:
+        return self.world._workspace(self.rank, nbytes)
+
+
+class SharedFileFabric(Fabric):
+    """CPU ranks in separate processes; workspaces are ``/dev/shm`` files every rank maps."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, directory: str = "/dev/shm") -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.device = torch.device("cpu")
+        self.directory = directory
+        name = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.prefix = os.path.join(directory, f"kosmos-moe-{name[0]}")
+        self._requests = 0
+
+    def workspace(self, nbytes: int) -> Workspace:
+        n = self._requests
+        self._requests += 1
+        path = lambda r: f"{self.prefix}-{n}-{r}"  # noqa: E731
+        with open(path(self.rank), "wb") as f:
+            f.truncate(nbytes)
+        sizes = [None] * self.world_size
+        dist.all_gather_object(sizes, nbytes, group=self.group)
+        if len(set(sizes)) != 1:
+            raise ValueError(f"ranks asked for workspaces of different sizes {sizes}: build the same layer everywhere")
+        maps = [torch.from_file(path(r), shared=True, size=nbytes, dtype=torch.uint8) for r in range(self.world_size)]
+        dist.barrier(group=self.group)
+        os.unlink(path(self.rank))  # the mappings stay valid; nothing is left behind in /dev/shm
+        peers = torch.tensor([m.data_ptr() for m in maps], dtype=torch.int64)
+        return Workspace(maps[self.rank], peers, keepalive=tuple(maps))
+
+
+class SymmetricMemoryFabric(Fabric):
+    """One GPU per process; workspaces from torch symmetric memory over the EP group."""
+
+    signal_scope = "sys"
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def workspace(self, nbytes: int) -> Workspace:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buffer.zero_()
+        handle = symm_mem.rendezvous(buffer, self.group.group_name)
+        peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # every peer's zeroed workspace exists before any kernel runs
+        return Workspace(buffer, peers, keepalive=(handle,))
+
+
+def default_fabric(group: dist.ProcessGroup | None, device: torch.device) -> Fabric:
+    """The fabric an ExpertLayer uses when none is given."""
+    if group is None or dist.get_world_size(group) == 1:
+        return EmulatedWorld(1, device).rank(0)
+    if device.type == "cuda":
+        return SymmetricMemoryFabric(group)
+    return SharedFileFabric(group)

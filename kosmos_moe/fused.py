@@ -1,0 +1,207 @@
+"""Host side of the fused forward: workspace, launch, and turning kernel timeouts into errors."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .config import MoEConfig
+from .fabric import Fabric
+from .workspace import GPU_TILES, INTERPRETER_TILES, ForwardLayout, Tiles, forward_layout
+
+# Polls before a wait gives up. A GPU poll takes about a microsecond, an interpreter poll
+# (one pass of the worker loop in numpy) about a millisecond: both are tens of seconds.
+GPU_WAIT_BOUND = 1 << 25
+INTERPRETER_WAIT_BOUND = 50_000
+
+_ERROR_WORDS = 8
+_WHAT = {
+    1: "the count-exchange signal of rank {peer} (expected epoch {expected}, saw {observed})",
+    2: "its own route tiles ({observed} of {expected} done)",
+    3: "the dispatched rows of local expert {index} ({observed} of {expected} arrived)",
+    4: "the gate/up tiles of a row tile (down task {task})",
+    5: "the combined results of local token {index} ({observed} of {expected} result blocks arrived)",
+    6: "the shared expert's gate/up tiles (shared down task {task})",
+}
+
+
+class ExpertLayerTimeout(RuntimeError):
+    """A fused kernel gave up waiting for a peer; the world's workspaces are no longer usable."""
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (max(n, 1) - 1).bit_length())
+
+
+def interpreter_active() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class FusedForward:
+    """Launches the persistent forward kernel for one rank of one layer.
+
+    The workspace is requested from the fabric on the first call (a collective: every rank
+    must call) and reused by every later call; no call waits on the host, so after the first
+    eager call the layer can be captured in a CUDA graph.
+    """
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        fabric: Fabric,
+        max_tokens: int,
+        workers: int | None = None,
+        tiles: Tiles | None = None,
+        wait_bound: int | None = None,
+    ) -> None:
+        self.config = config
+        self.fabric = fabric
+        self.max_tokens = max_tokens
+        on_gpu = fabric.device.type == "cuda"
+        if not on_gpu and not interpreter_active():
+            raise RuntimeError(
+                "backend='kosmos' on the CPU runs its kernel under Triton's interpreter: set "
+                "TRITON_INTERPRET=1 in the environment before importing kosmos_moe"
+            )
+        self.tiles = tiles or (GPU_TILES if on_gpu else INTERPRETER_TILES)
+        limit = fabric.max_workers()
+        if workers is not None and not 1 <= workers <= max(limit, 1 if on_gpu else workers):
+            raise ValueError(
+                f"workers_per_rank={workers} must be in [1, {limit}]: more workers than can be resident "
+                "would strand waiting workers"
+            )
+        self.workers = workers or limit
+        self.wait_bound = wait_bound or (GPU_WAIT_BOUND if on_gpu else INTERPRETER_WAIT_BOUND)
+        self.layout: ForwardLayout | None = None
+        self.workspace = None
+        self._dtype = None
+        self._pending: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        self.failed: ExpertLayerTimeout | None = None
+
+    # ------------------------------------------------------------------------------------
+
+    def _prepare(self, dtype: torch.dtype) -> None:
+        if self.layout is not None:
+            if dtype != self._dtype:
+                raise TypeError(f"the fused workspace was built for {self._dtype}, got {dtype}")
+            return
+        self._dtype = dtype
+        self.layout = forward_layout(self.config, self.fabric.world_size, self.max_tokens, self.tiles, dtype)
+        self.workspace = self.fabric.workspace(self.layout.nbytes)
+        self._words = self.workspace.local[: 4 * self.layout.words["words"]].view(torch.int32)
+
+    def _constexprs(self, dtype: torch.dtype) -> dict:
+        c, t, lay = self.config, self.tiles, self.layout
+        world = self.fabric.world_size
+        interp = self.fabric.device.type != "cuda"
+        import triton.language as tl
+
+        return dict(
+            H=c.hidden_size, I=c.moe_intermediate_size, I_S=c.shared_intermediate_size,
+            E=c.num_experts, E_L=c.num_experts // world, TOP_K=c.top_k, W=world, T_MAX=self.max_tokens,
+            TILE_CAP=lay.tile_cap,
+            SIGMOID_GROUP=c.router == "sigmoid_group", N_GROUP=c.n_group, TOPK_GROUP=c.topk_group,
+            NORM_TOPK=c.norm_topk_prob, ROUTER_PRECISION="ieee" if interp else "tf32x3",
+            **lay.kernel_args(),
+            BT=t.route_tokens, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows, BN_GU=t.gate_up_cols,
+            BN_DN=t.down_cols, BK=t.depth, BTF=t.fold_tokens, BHF=t.fold_cols, STAGES=t.stages,
+            E_PAD=max(16, _next_pow2(c.num_experts)), EL_PAD=_next_pow2(c.num_experts // world),
+            W_PAD=_next_pow2(world), K_PAD=_next_pow2(c.top_k), G_PAD=_next_pow2(c.n_group),
+            O_PAD=_next_pow2(c.num_experts),
+            DOT_DTYPE=tl.float32 if (interp or dtype == torch.float32) else tl.bfloat16 if dtype == torch.bfloat16 else tl.float16,
+            SCOPE=self.fabric.signal_scope,
+        )
+
+    def __call__(self, tokens: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the layer's forward on ``tokens`` ``[T, H]``; return the output and top-k ids."""
+        from kosmos_moe.kernels.expert_forward import expert_forward_kernel
+
+        self.raise_if_failed(block=False)
+        n, hidden = tokens.shape
+        if n > self.max_tokens:
+            raise ValueError(
+                f"{n} tokens on rank {self.fabric.rank}, but the layer was built for max_tokens_per_rank="
+                f"{self.max_tokens}; rebuild it with a larger bound"
+            )
+        if tokens.device != self.fabric.device:
+            raise ValueError(f"tokens are on {tokens.device}, the fabric of this layer on {self.fabric.device}")
+        self._prepare(tokens.dtype)
+        tokens = tokens.contiguous()
+        gate = layer.gate
+        experts = layer.experts
+        shared = layer.shared_experts
+        bias = gate.e_score_correction_bias
+        dummy = self.workspace.local
+        out = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=tokens.device)
+        x = tokens if n > 0 else out
+        expert_forward_kernel[(self.workers,)](
+            x, out, n,
+            gate.weight, bias if bias is not None else dummy, float(self.config.routed_scaling_factor),
+            experts.gate_up_proj, experts.down_proj,
+            shared.gate_proj.weight if shared is not None else dummy,
+            shared.up_proj.weight if shared is not None else dummy,
+            shared.down_proj.weight if shared is not None else dummy,
+            self.workspace.peers, self.fabric.rank, self.wait_bound,
+            **self._constexprs(tokens.dtype),
+            num_warps=self.tiles.warps,
+        )
+        lay = self.layout
+        top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * self.config.top_k]
+        top_e = top_e.view(n, self.config.top_k).long()
+        self._watch()
+        return out[:n], top_e
+
+    # ------------------------------------------------------------------------------------
+    # Timeouts: the kernel leaves an error record in the workspace; the host reads it without
+    # stalling the stream (a pinned copy checked when its event has completed).
+
+    def _watch(self) -> None:
+        record = self._words[16: 16 + _ERROR_WORDS]
+        if self.fabric.device.type != "cuda":
+            self._check(record.clone())
+            return
+        if torch.cuda.is_current_stream_capturing():
+            return  # under graph capture, raise_if_failed(block=True) reads the record itself
+        host = torch.empty(_ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+        host.copy_(record, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._pending.append((event, host))
+
+    def raise_if_failed(self, block: bool = True) -> None:
+        """Raise :class:`ExpertLayerTimeout` if any earlier call timed out.
+
+        With ``block`` it waits for the calls in flight; otherwise it looks only at those that
+        have finished. Every forward does the non-blocking check first.
+        """
+        if self.failed is not None:
+            raise self.failed
+        if block and self.workspace is not None:
+            if self.fabric.device.type == "cuda":
+                torch.cuda.synchronize(self.fabric.device)
+            self._check(self._words[16: 16 + _ERROR_WORDS].cpu())
+        still = []
+        for event, host in self._pending:
+            if block:
+                event.synchronize()
+            if event.query():
+                self._check(host)
+            else:
+                still.append((event, host))
+        self._pending = still
+
+    def _check(self, record: torch.Tensor) -> None:
+        kind, rank, task, peer, index, expected, observed, _ = (int(v) for v in record.tolist())
+        if kind == 0:
+            return
+        what = _WHAT.get(kind, f"signal kind {kind}").format(
+            peer=peer, index=index, expected=expected, observed=observed, task=task
+        )
+        self.failed = ExpertLayerTimeout(
+            f"kosmos forward on rank {rank} of {self.fabric.world_size} timed out after {self.wait_bound} polls "
+            f"waiting for {what}. A peer may not have launched its forward, or launched a different one. "
+            "The workspaces of this world are now inconsistent: rebuild the layers."
+        )
+        raise self.failed
