@@ -47,9 +47,10 @@ included, provided every rank's kernel is running (the fabric guarantees residen
 
 Epochs and buffer reuse
 -----------------------
-Count-exchange flags hold the epoch of the call (1, 2, ...), so they never need resetting; the
-count table is double-buffered by epoch parity because a peer may run one call ahead (never
-two: its next dispatch needs this rank's next counts). All other counters are reset by the
+Count-exchange flags hold the epoch of the sender's latest call (1, 2, ...), so they never
+need resetting. A peer may run one call ahead (never two: its next dispatch needs this rank's
+next counts), so a flag at or above this call's epoch means the counts are in, and the count
+table is double-buffered by epoch parity. All other counters are reset by the
 last worker to leave, which is safe because every write a peer makes to them in a call is
 awaited by this rank in the same call. The epoch is then advanced in memory, so consecutive
 launches (or CUDA graph replays) need no host work.
@@ -176,7 +177,7 @@ def expert_forward_kernel(
         did = 0
         # ---- What this rank receives, once every peer's counts are in. ----
         flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-        known = tl.sum(((flags == epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+        known = tl.sum(((flags >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
         tl.debug_barrier()
         table = _recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE)
         table = tl.where(known, table, 0)
@@ -340,11 +341,11 @@ def expert_forward_kernel(
                     all_in = known
                     while (all_in == 0) & (polls <= wait_bound):
                         fl = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-                        all_in = tl.sum(((fl == epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+                        all_in = tl.sum(((fl >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
                         polls += 1
                     if all_in == 0:
                         fl = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-                        missing = tl.min(tl.where((fl != epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
+                        missing = tl.min(tl.where((fl < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
                         record_error(err, abort, ERR_COUNTS, me, a, missing, 0, epoch,
                                      _pick(fl, w_idx, missing))
                     else:
@@ -421,7 +422,7 @@ def expert_forward_kernel(
                 if idle > wait_bound:
                     # Name the earliest thing this rank is still waiting for.
                     if known == 0:
-                        missing = tl.min(tl.where((flags != epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
+                        missing = tl.min(tl.where((flags < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
                         record_error(err, abort, ERR_COUNTS, me, -1, missing, 0, epoch, _pick(flags, w_idx, missing))
                     elif tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed") < n_gu:
                         g = tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed")

@@ -82,7 +82,8 @@ class FusedForward:
 
     # ------------------------------------------------------------------------------------
 
-    def _prepare(self, dtype: torch.dtype) -> None:
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Build the workspace (collective over the fabric); call before CUDA graph capture."""
         if self.layout is not None:
             if dtype != self._dtype:
                 raise TypeError(f"the fused workspace was built for {self._dtype}, got {dtype}")
@@ -127,7 +128,7 @@ class FusedForward:
             )
         if tokens.device != self.fabric.device:
             raise ValueError(f"tokens are on {tokens.device}, the fabric of this layer on {self.fabric.device}")
-        self._prepare(tokens.dtype)
+        self.prepare(tokens.dtype)
         tokens = tokens.contiguous()
         gate = layer.gate
         experts = layer.experts

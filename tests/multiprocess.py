@@ -18,7 +18,20 @@ def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
         dist.destroy_process_group()
 
 
-def run_world(world: int, fn, *args) -> None:
-    """Call ``fn(rank, world, *args)`` in ``world`` processes; any rank's exception fails the test."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_entry, args=(world, os.path.join(tmp, "rendezvous"), fn, args), nprocs=world, join=True)
+def run_world(world: int, fn, *args, env: dict[str, str] | None = None) -> None:
+    """Call ``fn(rank, world, *args)`` in ``world`` processes; any rank's exception fails the test.
+
+    ``env`` is set in the children's environment only (e.g. ``TRITON_INTERPRET=1``, which must
+    be set before Triton decorates the kernels).
+    """
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_entry, args=(world, os.path.join(tmp, "rendezvous"), fn, args), nprocs=world, join=True)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
