@@ -63,12 +63,18 @@ host turns the record into an exception.
 import triton
 import triton.language as tl
 
+from .profile import now
 from .route import router_logits, top_k_routing
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
     peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import down_tile, gate_up_tile
+
+# With PROFILE, every pass of a worker adds its nanoseconds to int64 slot ``kind`` of
+# ``profile_ptr`` and one to slot ``16 + kind``. Slot 0 is passes that found nothing ready.
+PROFILE_SLOTS = ("idle", "route", "count_exchange", "dispatch", "gate_up", "down",
+                 "shared_gate_up", "shared_down", "fold")
 
 # Queue slots in the control block.
 Q_FEED = 0
@@ -116,7 +122,7 @@ def expert_forward_kernel(
     x_ptr, out_ptr, n_tokens,
     router_w_ptr, bias_ptr, scale,
     w_gate_up_ptr, w_down_ptr, s_gate_ptr, s_up_ptr, s_down_ptr,
-    peers_ptr, me, wait_bound,
+    peers_ptr, me, wait_bound, profile_ptr,
     # Shapes.
     H: tl.constexpr, I: tl.constexpr, I_S: tl.constexpr,
     E: tl.constexpr, E_L: tl.constexpr, TOP_K: tl.constexpr, W: tl.constexpr, T_MAX: tl.constexpr,
@@ -136,7 +142,7 @@ def expert_forward_kernel(
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr,
 ):
     DT = x_ptr.dtype.element_ty
     ES: tl.constexpr = DT.primitive_bitwidth // 8
@@ -174,7 +180,8 @@ def expert_forward_kernel(
     running = 1
     idle = 0
     while running > 0:
-        did = 0
+        t_pass = now() if PROFILE else 0
+        did = 0  # the kind of task this pass ran (0: none); see PROFILE_SLOTS
         # ---- What this rank receives, once every peer's counts are in. ----
         flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
         known = tl.sum(((flags >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
@@ -210,7 +217,7 @@ def expert_forward_kernel(
                             acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
                                            mask=m2, other=0.0).to(tl.float32)
                         tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
-                    did = 1
+                    did = 8
 
         # ---- DOWN (routed) ----
         if did == 0:
@@ -246,7 +253,7 @@ def expert_forward_kernel(
                         tl.debug_barrier()
                         arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
                         tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-                        did = 1
+                        did = 5
 
         # ---- SDOWN (shared expert) ----
         if did == 0:
@@ -267,7 +274,7 @@ def expert_forward_kernel(
                         dst = comb + (toks.to(tl.int64) * SLOTS + TOP_K)[:, None] * H + cols[None, :]
                         tl.store(dst, acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
                         signal_add(ctl + C_COMB_ARR + me * T_MAX + toks, tl.where(row_ok, 1, 0), "gpu")
-                        did = 1
+                        did = 7
 
         # ---- GATE_UP (routed) ----
         if did == 0:
@@ -291,7 +298,7 @@ def expert_forward_kernel(
                                      h_r + row0.to(tl.int64) * I, ib * BN_GU,
                                      H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
                         signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
-                        did = 1
+                        did = 4
 
         # ---- FEED: route tiles, count exchange, dispatch chunks ----
         if did == 0:
@@ -388,7 +395,7 @@ def expert_forward_kernel(
                                      tl.load(topk_w + ent, mask=row_ok, other=0.0), mask=row_ok)
                             signal_add(dst_ctl + C_ARRIVED + me * E_L + el,
                                        tl.sum(row_ok.to(tl.int32), axis=0), SCOPE)
-                did = 1
+                did = 1 + (a > n_route) + (a > n_route + 1)  # route 1, count 2, dispatch 3
 
         # ---- SGATE_UP (shared expert): always ready, so it fills idle time ----
         if did == 0:
@@ -402,7 +409,7 @@ def expert_forward_kernel(
                                  s_gate_ptr, s_up_ptr, h_s + t0.to(tl.int64) * I_S, ib * BN_GU,
                                  H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
                     signal_add(ctl + C_GU_DONE + TILE_CAP + m, 1, "gpu")
-                did = 1
+                did = 6
 
         # ---- Nothing taken: finished, aborted, or waiting. ----
         if did == 0:
@@ -449,6 +456,9 @@ def expert_forward_kernel(
                                      _pick(got, toks, bad))
         else:
             idle = 0
+        if PROFILE:
+            tl.atomic_add(profile_ptr + did, now() - t_pass, sem="relaxed")
+            tl.atomic_add(profile_ptr + 16 + did, 1, sem="relaxed")
         if tl.atomic_add(abort, 0, sem="relaxed") != 0:
             running = 0
 

@@ -55,6 +55,7 @@ class FusedForward:
         workers: int | None = None,
         tiles: Tiles | None = None,
         wait_bound: int | None = None,
+        profile: bool = False,
     ) -> None:
         self.config = config
         self.fabric = fabric
@@ -79,6 +80,11 @@ class FusedForward:
         self._dtype = None
         self._pending: list[tuple[torch.cuda.Event, torch.Tensor]] = []
         self.failed: ExpertLayerTimeout | None = None
+        # With profile=True (GPU only), every call adds per-task-kind nanoseconds and counts
+        # here; see kernels.expert_forward.PROFILE_SLOTS.
+        if profile and not on_gpu:
+            raise ValueError("profiling reads the GPU timer; it is not available under the interpreter")
+        self.profile = torch.zeros(32, dtype=torch.int64, device=fabric.device) if profile else None
 
     # ------------------------------------------------------------------------------------
 
@@ -145,7 +151,8 @@ class FusedForward:
             shared.up_proj.weight if shared is not None else dummy,
             shared.down_proj.weight if shared is not None else dummy,
             self.workspace.peers, self.fabric.rank, self.wait_bound,
-            **self._constexprs(tokens.dtype),
+            self.profile if self.profile is not None else self.workspace.peers,
+            **self._constexprs(tokens.dtype), PROFILE=self.profile is not None,
             num_warps=self.tiles.warps,
         )
         lay = self.layout
@@ -153,6 +160,17 @@ class FusedForward:
         top_e = top_e.view(n, self.config.top_k).long()
         self._watch()
         return out[:n], top_e
+
+    def profile_report(self) -> dict[str, dict[str, float]]:
+        """Per task kind: worker-seconds spent and passes, summed over the profiled calls."""
+        from kosmos_moe.kernels.expert_forward import PROFILE_SLOTS
+
+        if self.profile is None:
+            raise RuntimeError("build the launcher with profile=True")
+        values = self.profile.cpu().tolist()
+        return {
+            kind: {"seconds": values[i] * 1e-9, "passes": values[16 + i]} for i, kind in enumerate(PROFILE_SLOTS)
+        }
 
     # ------------------------------------------------------------------------------------
     # Timeouts: the kernel leaves an error record in the workspace; the host reads it without
@@ -179,6 +197,8 @@ class FusedForward:
         """
         if self.failed is not None:
             raise self.failed
+        if self.fabric.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
         if block and self.workspace is not None:
             if self.fabric.device.type == "cuda":
                 torch.cuda.synchronize(self.fabric.device)

@@ -60,6 +60,7 @@ class ExpertLayer(nn.Module):
         device: torch.device | str | None = None,
         fabric: Fabric | None = None,
         workers_per_rank: int | None = None,
+        fused_options: dict | None = None,
     ) -> None:
         super().__init__()
         self.config = MoEConfig(
@@ -118,6 +119,7 @@ class ExpertLayer(nn.Module):
         self.aux_loss: torch.Tensor | None = None
         self._fabric = fabric
         self._workers_per_rank = workers_per_rank
+        self._fused_options = dict(fused_options or {})
         self._fused = None
 
     # ----------------------------------------------------------------------------------------
@@ -174,7 +176,9 @@ class ExpertLayer(nn.Module):
             fabric = self._fabric or default_fabric(self.group, self.gate.weight.device)
             if fabric.device != self.gate.weight.device:
                 raise ValueError(f"the fabric is on {fabric.device}, the layer's weights on {self.gate.weight.device}")
-            self._fused = FusedForward(self.config, fabric, self.max_tokens_per_rank, self._workers_per_rank)
+            self._fused = FusedForward(
+                self.config, fabric, self.max_tokens_per_rank, self._workers_per_rank, **self._fused_options
+            )
         return self._fused
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,226 @@
+"""Forward of the whole expert layer on one GPU: the fused kernel against the reference backend.
+
+The reference backend is the path most users run today (argsort permute, SwiGLU through
+``torch._grouped_mm``, weighted fold), so it is the baseline. In the same run the script
+measures both ceilings of the roofline, a dense bf16 matmul rate and the device copy
+bandwidth, and ``torch._grouped_mm`` alone on the same rows.
+
+    python benchmarks/layer_forward.py --out results.json            # all cases
+    python benchmarks/layer_forward.py --cases dsv3_rank --tiles     # with tile variants
+
+Figures per case: time of each backend, their ratio, the fused kernel's fraction of the
+roofline ``max(FLOPs / dense rate, expert-weight bytes / copy bandwidth)``, and the expert-GEMM
+rate inside the kernel (GEMM FLOPs over the mean per-worker time spent in GEMM tasks, from a
+profiled run), next to ``torch._grouped_mm``'s on the same rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+from kosmos_moe import ExpertLayer
+from kosmos_moe.fabric import EmulatedWorld
+from kosmos_moe.workspace import GPU_TILES
+
+TOKENS = 4096
+
+CASES = {
+    # name: (preset, experts in the layer, emulated ranks)
+    "dsv3_rank": ("deepseek_v3", 32, 1),      # one EP8 rank's share of DeepSeek-V3
+    "dsv3_full": ("deepseek_v3", 256, 1),     # all experts at EP=1: bound by weight bandwidth
+    "qwen3_rank": ("qwen3_235b", 16, 1),
+    "qwen3_full": ("qwen3_235b", 128, 1),
+    "dsv3_emulated8": ("deepseek_v3", 256, 8),  # 8 virtual ranks x 4096 tokens vs EP=1 on 32768
+}
+
+TILE_VARIANTS = {
+    "default": GPU_TILES,
+    "down256": dataclasses.replace(GPU_TILES, down_cols=256),
+    "stages4": dataclasses.replace(GPU_TILES, stages=4),
+    "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),
+}
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def timed(fn, warmup: int = 2, iters: int = 8) -> float:
+    """Median seconds of ``fn()`` over ``iters`` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e-3)
+    return statistics.median(times)
+
+
+def ceilings() -> dict[str, float]:
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t_mm = timed(lambda: a @ b, iters=10)
+    src = torch.empty(1 << 30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    t_copy = timed(lambda: dst.copy_(src), iters=10)
+    return {
+        "dense_tflops": 2 * n**3 / t_mm / 1e12,
+        # Bytes read plus bytes written per second: the rate at which weights can stream.
+        "copy_gbps": 2 * src.numel() * src.element_size() / t_copy / 1e9,
+    }
+
+
+def work(config, tokens: int, experts_touched: int) -> dict[str, float]:
+    H, I, I_s, K, E = (config.hidden_size, config.moe_intermediate_size, config.shared_intermediate_size,
+                       config.top_k, config.num_experts)
+    gemm = 6 * tokens * K * H * I + 6 * tokens * H * I_s
+    router = 2 * tokens * H * E
+    weight_bytes = 2 * (3 * experts_touched * H * I + 3 * H * I_s + E * H)
+    return {"gemm_flops": gemm, "flops": gemm + router, "weight_bytes": weight_bytes}
+
+
+def grouped_mm_alone(layer: ExpertLayer, x: torch.Tensor) -> float:
+    """Seconds of the two ``torch._grouped_mm`` calls of the reference path on the same rows."""
+    import torch.nn.functional as F
+
+    with torch.no_grad():
+        routing = layer.gate(x)
+        flat = routing.experts.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        rows = x.index_select(0, order // layer.config.top_k)
+        offs = torch.cumsum(torch.bincount(flat, minlength=layer.config.num_experts), 0, dtype=torch.int32)
+        wgu = layer.experts.gate_up_proj.transpose(-2, -1)
+        wd = layer.experts.down_proj.transpose(-2, -1)
+        h = F.silu(torch._grouped_mm(rows, wgu, offs=offs)[:, : layer.config.moe_intermediate_size])
+        return timed(lambda: (torch._grouped_mm(rows, wgu, offs=offs), torch._grouped_mm(h, wd, offs=offs)))
+
+
+def rank_layers(full: ExpertLayer, world: EmulatedWorld, max_tokens: int, tiles, profile: bool) -> list[ExpertLayer]:
+    """The emulated ranks' layers, sharing the full layer's weights (expert slices are views)."""
+    shape = dataclasses.asdict(full.config)
+    positional = [shape.pop(k) for k in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k")]
+    layers = []
+    for r in range(world.world_size):
+        with torch.device("meta"):
+            layer = ExpertLayer(*positional, **shape, backend="kosmos", fabric=world.rank(r),
+                                max_tokens_per_rank=max_tokens, dtype=torch.bfloat16,
+                                fused_options={"tiles": tiles, "profile": profile})
+        first, last = layer.local_expert_range
+        layer.gate = full.gate
+        layer.shared_experts = full.shared_experts
+        layer.experts.gate_up_proj = nn.Parameter(full.experts.gate_up_proj[first:last], requires_grad=False)
+        layer.experts.down_proj = nn.Parameter(full.experts.down_proj[first:last], requires_grad=False)
+        layer.tokens_per_expert = torch.zeros_like(full.tokens_per_expert)
+        layer.load_since_bias_update = torch.zeros_like(full.load_since_bias_update)
+        layers.append(layer)
+    return layers
+
+
+def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
+    preset, experts, ranks = CASES[name]
+    log(f"[{name}] building {preset} with {experts} experts, {ranks} rank(s) x {TOKENS} tokens")
+    torch.manual_seed(0)
+    full = getattr(ExpertLayer, preset)(num_experts=experts, dtype=torch.bfloat16, device="cuda")
+    full.requires_grad_(False)
+    if full.gate.e_score_correction_bias is not None:
+        full.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
+    xs = [torch.randn(TOKENS, full.config.hidden_size, device="cuda", dtype=torch.bfloat16) for _ in range(ranks)]
+    x_all = torch.cat(xs)
+
+    with torch.no_grad():
+        t_ref = timed(lambda: full(x_all))
+        ref_out = full(x_all)
+    log(f"[{name}] reference {t_ref * 1e3:.3f} ms")
+    t_gm = grouped_mm_alone(full, x_all)
+    w = work(full.config, TOKENS * ranks, experts)
+    roof = max(w["flops"] / (ceil["dense_tflops"] * 1e12), w["weight_bytes"] / (ceil["copy_gbps"] * 1e9))
+    result = {
+        "case": name, "tokens_per_rank": TOKENS, "ranks": ranks, "experts": experts, **w,
+        "reference_ms": t_ref * 1e3, "grouped_mm_ms": t_gm * 1e3,
+        "grouped_mm_tflops": w["gemm_flops"] / t_gm / 1e12, "roofline_ms": roof * 1e3, "variants": {},
+    }
+    for label, tiles in tile_variants.items():
+        world = EmulatedWorld(ranks, "cuda")
+        layers = rank_layers(full, world, TOKENS, tiles, profile=False)
+        call = lambda: world.run(lambda r, x: layers[r](x), xs)  # noqa: E731
+        with torch.no_grad():
+            t0 = time.time()
+            outs = call()
+            torch.cuda.synchronize()
+            log(f"[{name}/{label}] first call (compile + run) {time.time() - t0:.1f} s")
+            for layer in layers:
+                layer.fused().raise_if_failed()
+            out = torch.cat(outs)
+            err = (out.float() - ref_out.float()).abs()
+            t_fused = timed(call)
+            # A profiled run: the same kernel with per-task timers.
+            for layer in layers:
+                layer.fused().profile = torch.zeros(32, dtype=torch.int64, device="cuda")
+            call()
+            torch.cuda.synchronize()
+        workers = layers[0].fused().workers
+        report = [layer.fused().profile_report() for layer in layers]
+        busy = {k: sum(rep[k]["seconds"] for rep in report) / (workers * ranks) for k in report[0]}
+        gemm_s = sum(busy[k] for k in ("gate_up", "down", "shared_gate_up", "shared_down"))
+        v = {
+            "tiles": dataclasses.asdict(tiles), "workers_per_rank": workers,
+            "fused_ms": t_fused * 1e3, "speedup_vs_reference": t_ref / t_fused,
+            "roofline_fraction": roof / t_fused,
+            # All workers of all ranks share the device, so the mean worker's GEMM time is the
+            # device's GEMM time.
+            "in_kernel_gemm_tflops": w["gemm_flops"] / gemm_s / 1e12 if gemm_s else 0.0,
+            "per_worker_busy_ms": {k: s * 1e3 for k, s in busy.items()},
+            "max_abs_diff_vs_reference": err.max().item(), "mean_abs_diff_vs_reference": err.mean().item(),
+        }
+        v["in_kernel_gemm_vs_grouped_mm"] = v["in_kernel_gemm_tflops"] / result["grouped_mm_tflops"]
+        result["variants"][label] = v
+        log(f"[{name}/{label}] fused {t_fused * 1e3:.3f} ms, x{t_ref / t_fused:.2f} vs reference, "
+            f"{100 * roof / t_fused:.0f}% of roofline, GEMM {v['in_kernel_gemm_tflops']:.0f} TFLOP/s in kernel "
+            f"vs grouped_mm {result['grouped_mm_tflops']:.0f}; busy ms "
+            + ", ".join(f"{k} {s * 1e3:.3f}" for k, s in busy.items()))
+        del layers, world, outs, out
+        torch.cuda.empty_cache()
+    del full
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--tiles", action="store_true", help="also run the tile variants on each case")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    ceil = ceilings()
+    log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
+    variants = TILE_VARIANTS if args.tiles else {"default": GPU_TILES}
+    results = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "cases": []}
+    for name in args.cases:
+        results["cases"].append(run_case(name, ceil, variants))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print(f"{'case':16} {'ref ms':>8} {'fused ms':>9} {'speedup':>8} {'roofline':>9} {'GEMM TF/s':>10} {'gmm TF/s':>9}")
+    for r in results["cases"]:
+        for label, v in r["variants"].items():
+            print(f"{r['case'] + ('' if label == 'default' else '/' + label):16} {r['reference_ms']:8.3f} "
+                  f"{v['fused_ms']:9.3f} {v['speedup_vs_reference']:8.2f} {100 * v['roofline_fraction']:8.0f}% "
+                  f"{v['in_kernel_gemm_tflops']:10.0f} {r['grouped_mm_tflops']:9.0f}")
+
+
+if __name__ == "__main__":
+    main()
