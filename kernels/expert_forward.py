@@ -19,7 +19,9 @@ DOWN      routed ``y = h @ Wd^T`` for (local expert, H-block, row tile), row til
           gate/up tiles of the row tile are done.
 SDOWN     the shared expert's down projection, same shape, into the local combine buffer.
 GATE_UP   routed ``h = silu(x Wg^T) * (x Wu^T)`` for (local expert, I-block, row tile).
-          Ready when every source rank has delivered its rows of that expert.
+          Ready when every source rank has delivered its rows of that expert. Rows from this
+          rank are not copied: dispatch sends only their metadata and the tile reads them
+          from the input in place.
 FEED      route tiles, then the count exchange, then dispatch chunks; taken without a readiness
           check (these are what everything else waits for):
             route tile k      router GEMM + top-k for BT tokens; appends each (token, k) to the
@@ -294,7 +296,14 @@ def expert_forward_kernel(
                         row0 = _pick(row_start_el, el_idx, e) + m * BM
                         n_rows = tl.minimum(n_rows_e - m * BM, BM)
                         w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-                        gate_up_tile(recv_x + row0.to(tl.int64) * H, n_rows, w_e, w_e + I * H,
+                        # Rows from this rank were never copied: read them where they are.
+                        rows = row0 + tl.arange(0, BM)
+                        row_ok = tl.arange(0, BM) < n_rows
+                        src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+                        ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+                        a_rows = tl.where(src == me, x_ptr + (ent // TOP_K).to(tl.int64) * H,
+                                          recv_x + rows.to(tl.int64) * H)
+                        gate_up_tile(a_rows, n_rows, w_e, w_e + I * H,
                                      h_r + row0.to(tl.int64) * I, ib * BN_GU,
                                      H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
                         signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
@@ -382,12 +391,13 @@ def expert_forward_kernel(
                             expert_base = tl.sum(tl.sum(tl.where(el2 < el, dst_tab, 0), axis=1), axis=0)
                             src_off = tl.sum(tl.sum(tl.where((el2 == el) & (src2 < me), dst_tab, 0), axis=1), axis=0)
                             slot = (expert_base + src_off + pos).to(tl.int64)
-                            dst_x = peer_ptr(peers_ptr, dst, B_RECV_X, DT)
-                            for h0 in tl.range(0, H, BH):
-                                cols = h0 + tl.arange(0, BH)
-                                m2 = row_ok[:, None] & (cols < H)[None, :]
-                                v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=m2)
-                                tl.store(dst_x + slot[:, None] * H + cols[None, :], v, mask=m2)
+                            if dst != me:  # local rows are read in place by the gate/up tiles
+                                dst_x = peer_ptr(peers_ptr, dst, B_RECV_X, DT)
+                                for h0 in tl.range(0, H, BH):
+                                    cols = h0 + tl.arange(0, BH)
+                                    m2 = row_ok[:, None] & (cols < H)[None, :]
+                                    v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=m2)
+                                    tl.store(dst_x + slot[:, None] * H + cols[None, :], v, mask=m2)
                             dst_ctl = peer_ptr(peers_ptr, dst, 0, tl.int32)
                             tl.store(dst_ctl + C_RECV_SRC + slot, tl.zeros_like(ent) + me, mask=row_ok)
                             tl.store(dst_ctl + C_RECV_ENT + slot, ent, mask=row_ok)
@@ -405,7 +415,7 @@ def expert_forward_kernel(
                     ib = g // n_tiles_s
                     m = g % n_tiles_s
                     t0 = m * BM
-                    gate_up_tile(x_ptr + t0.to(tl.int64) * H, tl.minimum(n_tokens - t0, BM),
+                    gate_up_tile(x_ptr + (t0 + tl.arange(0, BM)).to(tl.int64) * H, tl.minimum(n_tokens - t0, BM),
                                  s_gate_ptr, s_up_ptr, h_s + t0.to(tl.int64) * I_S, ib * BN_GU,
                                  H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
                     signal_add(ctl + C_GU_DONE + TILE_CAP + m, 1, "gpu")

@@ -14,18 +14,22 @@ import triton.language as tl
 
 @triton.jit
 def gate_up_tile(
-    a_ptr, n_rows, w_gate_ptr, w_up_ptr, h_ptr, n0,
+    a_rows, n_rows, w_gate_ptr, w_up_ptr, h_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """``h[:n_rows, n0:n0+BN] = silu(a @ Wg^T) * (a @ Wu^T)`` for a row-contiguous ``a``."""
+    """``h[:n_rows, n0:n0+BN] = silu(a @ Wg^T) * (a @ Wu^T)``; ``a_rows`` points at each row of ``a``.
+
+    The rows of ``a`` are gathered (a ``[BM]`` vector of row pointers), so a tile can read
+    received rows and rows still in the caller's input alike.
+    """
     rows = tl.arange(0, BM)
     cols = n0 + tl.arange(0, BN)
     ks = tl.arange(0, BK)
     row_ok = rows < n_rows
     col_ok = cols < N_DIM
-    a_rows = a_ptr + rows.to(tl.int64)[:, None] * K_DIM
+    a_rows = a_rows[:, None]
     wg_cols = w_gate_ptr + cols.to(tl.int64)[None, :] * K_DIM
     wu_cols = w_up_ptr + cols.to(tl.int64)[None, :] * K_DIM
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
