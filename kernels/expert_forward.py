@@ -139,7 +139,7 @@ def expert_forward_kernel(
     B_TOPK_W: tl.constexpr, B_RECV_W: tl.constexpr, B_RECV_X: tl.constexpr, B_H_R: tl.constexpr,
     B_H_S: tl.constexpr, B_COMB: tl.constexpr,
     # Tiles.
-    BT: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
+    BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
     BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -318,7 +318,7 @@ def expert_forward_kernel(
                     t0 = a * BT
                     n_rows = tl.minimum(n_tokens - t0, BT)
                     logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
-                                           H, E, BT, E_PAD, BK, ROUTER_PRECISION)
+                                           H, E, BT, E_PAD, BK_R, ROUTER_PRECISION)
                     experts, weights = top_k_routing(logits, bias_ptr, scale, E, E_PAD, TOP_K,
                                                      SIGMOID_GROUP, N_GROUP, TOPK_GROUP, G_PAD,
                                                      K_PAD, NORM_TOPK)

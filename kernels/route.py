@@ -22,7 +22,8 @@ def router_logits(
     row_ok = rows < n_rows
     col_ok = cols < E
     acc = tl.zeros([BT, E_PAD], dtype=tl.float32)
-    for k0 in tl.range(0, H, BK):
+    # fp32 operands and up to 256 expert columns: two stages keep shared memory in bounds.
+    for k0 in tl.range(0, H, BK, num_stages=2):
         k_ok = (k0 + ks) < H
         a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * H + (k0 + ks)[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)

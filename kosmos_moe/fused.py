@@ -112,7 +112,7 @@ class FusedForward:
             SIGMOID_GROUP=c.router == "sigmoid_group", N_GROUP=c.n_group, TOPK_GROUP=c.topk_group,
             NORM_TOPK=c.norm_topk_prob, ROUTER_PRECISION="ieee" if interp else "tf32x3",
             **lay.kernel_args(),
-            BT=t.route_tokens, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows, BN_GU=t.gate_up_cols,
+            BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows, BN_GU=t.gate_up_cols,
             BN_DN=t.down_cols, BK=t.depth, BTF=t.fold_tokens, BHF=t.fold_cols, STAGES=t.stages,
             E_PAD=max(16, _next_pow2(c.num_experts)), EL_PAD=_next_pow2(c.num_experts // world),
             W_PAD=_next_pow2(world), K_PAD=_next_pow2(c.top_k), G_PAD=_next_pow2(c.n_group),

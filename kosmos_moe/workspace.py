@@ -36,6 +36,7 @@ class Tiles:
     """Tile sizes of the fused forward (rows x columns of each task)."""
 
     route_tokens: int = 64       # BT: tokens per route tile
+    route_depth: int = 32        # BK of the fp32 router GEMM
     dispatch_rows: int = 32      # BR: rows per dispatch chunk
     dispatch_cols: int = 512     # BH: columns per copy step
     rows: int = 128              # BM: rows per expert tile
@@ -50,7 +51,7 @@ class Tiles:
 
 GPU_TILES = Tiles()
 # The interpreter runs tl.dot in numpy: small tiles keep CPU tests quick (tl.dot needs >= 16).
-INTERPRETER_TILES = Tiles(16, 16, 32, 16, 16, 16, 16, 16, 32, 1, 1)
+INTERPRETER_TILES = Tiles(16, 16, 16, 32, 16, 16, 16, 16, 16, 32, 1, 1)
 
 
 @dataclass(frozen=True)
