@@ -79,21 +79,21 @@ PROFILE_SLOTS = ("idle", "route", "count_exchange", "dispatch", "gate_up", "down
                  "shared_gate_up", "shared_down", "fold")
 
 # Queue slots in the control block.
-Q_FEED = 0
-Q_GATE_UP = 1
-Q_DOWN = 2
-Q_SGATE_UP = 3
-Q_SDOWN = 4
-Q_FOLD = 5
+Q_FEED = tl.constexpr(0)
+Q_GATE_UP = tl.constexpr(1)
+Q_DOWN = tl.constexpr(2)
+Q_SGATE_UP = tl.constexpr(3)
+Q_SDOWN = tl.constexpr(4)
+Q_FOLD = tl.constexpr(5)
 
 # Fixed control words (int32 indices into a rank's workspace).
-C_EPOCH = 0
-C_EXIT = 1
-C_ABORT = 2
-C_ROUTE_DONE = 3
-C_HEADS = 8
-C_ERR = 16
-C_FIXED = 32
+C_EPOCH = tl.constexpr(0)
+C_EXIT = tl.constexpr(1)
+C_ABORT = tl.constexpr(2)
+C_ROUTE_DONE = tl.constexpr(3)
+C_HEADS = tl.constexpr(8)
+C_ERR = tl.constexpr(16)
+C_FIXED = tl.constexpr(32)
 
 
 @triton.jit

@@ -12,12 +12,12 @@ import triton
 import triton.language as tl
 
 # Error kinds written to the error record; decoded by kosmos_moe.fused.
-ERR_COUNTS = 1      # waited for the count-exchange signal of a peer
-ERR_ROUTE = 2       # waited for this rank's own route tiles
-ERR_ROWS = 3        # waited for dispatched rows of a local expert
-ERR_GATE_UP = 4     # waited for the gate/up tiles of a row tile
-ERR_COMBINE = 5     # waited for combined results of a local token
-ERR_SHARED = 6      # waited for the shared expert's gate/up tiles
+ERR_COUNTS = tl.constexpr(1)      # waited for the count-exchange signal of a peer
+ERR_ROUTE = tl.constexpr(2)       # waited for this rank's own route tiles
+ERR_ROWS = tl.constexpr(3)        # waited for dispatched rows of a local expert
+ERR_GATE_UP = tl.constexpr(4)     # waited for the gate/up tiles of a row tile
+ERR_COMBINE = tl.constexpr(5)     # waited for combined results of a local token
+ERR_SHARED = tl.constexpr(6)      # waited for the shared expert's gate/up tiles
 
 
 @triton.jit
