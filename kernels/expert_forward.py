@@ -119,7 +119,10 @@ def _recv_table(ctl, par, me, W: tl.constexpr, W_PAD: tl.constexpr, E: tl.conste
                    mask=(src < W) & (el < E_L), other=0)
 
 
-@triton.jit
+# Token count, rank and wait bound are not specialised, so every rank of a world and every
+# call runs one compiled kernel: loading a new module while a peer's persistent kernel spins
+# may wait for that kernel (CUDA lazy loading serialises module loads with running work).
+@triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound"])
 def expert_forward_kernel(
     x_ptr, out_ptr, n_tokens,
     router_w_ptr, bias_ptr, scale,

@@ -8,8 +8,14 @@ BIAS_UPDATE_RATE = 1e-3
 
 
 def tokens_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """How many (token, k) assignments each expert received: int64 ``[num_experts]``."""
-    return torch.bincount(experts.reshape(-1), minlength=num_experts)
+    """How many (token, k) assignments each expert received: int64 ``[num_experts]``.
+
+    A scatter-add, not ``torch.bincount``: bincount on CUDA reads the maximum on the host,
+    a sync that would stall a fused forward whose peers have not launched yet.
+    """
+    flat = experts.reshape(-1).long()
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=experts.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 @torch.no_grad()

@@ -76,7 +76,7 @@ class EmulatedWorld:
                 "an emulated world of several ranks needs a GPU; on the CPU use one process per rank "
                 "(SharedFileFabric), since Triton's interpreter runs programs one after another"
             )
-        self._allocations: list[list[torch.Tensor]] = []
+        self._allocations: list[tuple] = []
         self._requests = [0] * world_size
         self.streams = (
             [torch.cuda.Stream(self.device) for _ in range(world_size)] if self.device.type == "cuda" else None
@@ -91,16 +91,24 @@ class EmulatedWorld:
         n = self._requests[r]
         self._requests[r] += 1
         if n == len(self._allocations):
-            self._allocations.append(
-                [torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
-            )
-        buffers = self._allocations[n]
+            # Every rank's buffer and the address table are made at the first rank's request,
+            # before any kernel of this world runs: later ranks ask while their peers' kernels
+            # are already waiting for them, and must not synchronise the device then.
+            buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
+            peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
+            ready = None
+            if self.device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record()
+            self._allocations.append((buffers, peers, ready))
+        buffers, peers, ready = self._allocations[n]
+        if ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(ready)  # zeroed before this rank's first use
         if buffers[r].numel() != nbytes:
             raise ValueError(
                 f"rank {r} asked for a workspace of {nbytes} bytes, its peers for {buffers[r].numel()}: "
                 "every rank must build the same layer with the same max_tokens_per_rank"
             )
-        peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
         return Workspace(buffers[r], peers)
 
     def run(self, fn, *per_rank_args):

@@ -27,6 +27,34 @@ _WHAT = {
 }
 
 
+class _HostRecords:
+    """A process-wide ring of pinned error-record slots, allocated once.
+
+    Pinned host memory is allocated before the first launch and never freed, because
+    allocating or freeing it while a persistent kernel waits for a peer that has not launched
+    yet could stall the host behind that kernel.
+    """
+
+    SLOTS = 1024
+    _table: torch.Tensor | None = None
+    _free: list[int] = []
+
+    @classmethod
+    def reserve(cls) -> None:
+        if cls._table is None:
+            cls._table = torch.zeros(cls.SLOTS, _ERROR_WORDS, dtype=torch.int32, pin_memory=True)
+            cls._free = list(range(cls.SLOTS))
+
+    @classmethod
+    def take(cls) -> int | None:
+        cls.reserve()
+        return cls._free.pop() if cls._free else None
+
+    @classmethod
+    def give(cls, slot: int) -> None:
+        cls._free.append(slot)
+
+
 class ExpertLayerTimeout(RuntimeError):
     """A fused kernel gave up waiting for a peer; the world's workspaces are no longer usable."""
 
@@ -78,7 +106,7 @@ class FusedForward:
         self.layout: ForwardLayout | None = None
         self.workspace = None
         self._dtype = None
-        self._pending: list[tuple[torch.cuda.Event, torch.Tensor]] = []
+        self._pending: list[tuple[torch.cuda.Event, int]] = []
         self.failed: ExpertLayerTimeout | None = None
         # With profile=True (GPU only), every call adds per-task-kind nanoseconds and counts
         # here; see kernels.expert_forward.PROFILE_SLOTS.
@@ -142,6 +170,8 @@ class FusedForward:
         bias = gate.e_score_correction_bias
         dummy = self.workspace.local
         out = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=tokens.device)
+        if self.fabric.device.type == "cuda":
+            _HostRecords.reserve()
         x = tokens if n > 0 else out
         expert_forward_kernel[(self.workers,)](
             x, out, n,
@@ -183,11 +213,13 @@ class FusedForward:
             return
         if torch.cuda.is_current_stream_capturing():
             return  # under graph capture, raise_if_failed(block=True) reads the record itself
-        host = torch.empty(_ERROR_WORDS, dtype=torch.int32, pin_memory=True)
-        host.copy_(record, non_blocking=True)
+        slot = _HostRecords.take()
+        if slot is None:
+            return  # a thousand calls in flight: the record stays in the workspace for a blocking check
+        _HostRecords._table[slot].copy_(record, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((event, host))
+        self._pending.append((event, slot))
 
     def raise_if_failed(self, block: bool = True) -> None:
         """Raise :class:`ExpertLayerTimeout` if any earlier call timed out.
@@ -203,15 +235,18 @@ class FusedForward:
             if self.fabric.device.type == "cuda":
                 torch.cuda.synchronize(self.fabric.device)
             self._check(self._words[16: 16 + _ERROR_WORDS].cpu())
-        still = []
-        for event, host in self._pending:
-            if block:
-                event.synchronize()
-            if event.query():
-                self._check(host)
+        still, records = [], []
+        for event, slot in self._pending:
+            if block or event.query():
+                if block:
+                    event.synchronize()
+                records.append(_HostRecords._table[slot].clone())
+                _HostRecords.give(slot)
             else:
-                still.append((event, host))
+                still.append((event, slot))
         self._pending = still
+        for record in records:
+            self._check(record)
 
     def _check(self, record: torch.Tensor) -> None:
         kind, rank, task, peer, index, expected, observed, _ = (int(v) for v in record.tolist())

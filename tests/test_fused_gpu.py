@@ -1,7 +1,8 @@
 """The fused forward kernel on a GPU, bf16, in emulated worlds of 1, 2, 3, 4 and 8 ranks.
 
 Each case runs every rank's layer in turn on its own stream (EmulatedWorld.run): a host sync
-anywhere in a rank's path would deadlock the world, so these tests also prove there is none.
+anywhere in a rank's path would stall the world until a wait bound fires, and torch's sync
+debug mode turns any synchronising torch call on that path into an error.
 The fused output is compared with an fp32 evaluation of the same bf16 weights; its error must
 stay within twice the error of the bf16 reference backend on the same inputs.
 """
@@ -30,6 +31,8 @@ SHAPES = {
         n_group=4, topk_group=2, routed_scaling_factor=1.0,
     ),
 }
+# About a few seconds of polling: a stalled world fails fast instead of after a minute.
+TEST_WAIT_BOUND = 1 << 22
 # Uneven, not a multiple of any tile, one rank without tokens.
 COUNTS = [517, 1, 300, 0, 129, 700, 64, 255]
 
@@ -50,9 +53,12 @@ def make_world(case, world, skew="none", workers=None, max_tokens=768):
     layers = []
     for r in range(world):
         layer = ExpertLayer(**shape, backend="kosmos", fabric=emulated.rank(r), max_tokens_per_rank=max_tokens,
-                            workers_per_rank=workers, dtype=torch.bfloat16, device="cuda")
+                            workers_per_rank=workers, dtype=torch.bfloat16, device="cuda",
+                            fused_options=dict(wait_bound=TEST_WAIT_BOUND))
         layer.load_full_state_dict(full.state_dict())
         layers.append(layer)
+    for layer in layers:
+        layer.fused().prepare(torch.bfloat16)  # the workspace allocation syncs; do it before the runs
     return full, emulated, layers
 
 
@@ -69,7 +75,11 @@ def run_and_check(case, world, skew="none", workers=None, calls=2):
             for x in xs:
                 x[:, 0] = x[:, 0].abs() + 1.0
         with torch.no_grad():
-            outs = emulated.run(lambda r, x: layers[r](x), xs)
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                outs = emulated.run(lambda r, x: layers[r](x), xs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
             x_all = torch.cat(xs)
             ref = full(x_all)
             truth = truth_layer(x_all.float())
