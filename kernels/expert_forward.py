@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from .profile import now
+from .queues import locate as _locate, pick as _pick, recv_table as _recv_table
 from .route import router_logits, top_k_routing
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
@@ -94,29 +95,6 @@ C_ROUTE_DONE = tl.constexpr(3)
 C_HEADS = tl.constexpr(8)
 C_ERR = tl.constexpr(16)
 C_FIXED = tl.constexpr(32)
-
-
-@triton.jit
-def _pick(vec, idx, i):
-    return tl.sum(tl.where(idx == i, vec, 0), axis=0)
-
-
-@triton.jit
-def _locate(cum, idx, task):
-    """For an inclusive prefix sum ``cum``: the bucket holding ``task`` and its first task."""
-    bucket = tl.sum((cum <= task).to(tl.int32), axis=0)
-    start = tl.sum(tl.where(idx == bucket - 1, cum, 0), axis=0)
-    return bucket, start
-
-
-@triton.jit
-def _recv_table(ctl, par, me, W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constexpr,
-                E_L: tl.constexpr, EL_PAD: tl.constexpr, C_TABLE: tl.constexpr):
-    """``[W_PAD, EL_PAD]``: rows each source sends to each of this rank's local experts."""
-    src = tl.arange(0, W_PAD)[:, None]
-    el = tl.arange(0, EL_PAD)[None, :]
-    return tl.load(ctl + C_TABLE + par * W * E + src * E + me * E_L + el,
-                   mask=(src < W) & (el < E_L), other=0)
 
 
 # Token count, rank and wait bound are not specialised, so every rank of a world and every

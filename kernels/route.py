@@ -98,3 +98,61 @@ def top_k_routing(
     elif NORM_TOPK:
         weights = weights / total
     return experts, weights
+
+
+@triton.jit
+def routing_backward(
+    logits, experts, weights, d_weights, scale,
+    E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+    SIGMOID_GROUP: tl.constexpr, NORM_TOPK: tl.constexpr,
+):
+    """``[BT, E_PAD]`` fp32 gradient of the logits from that of the routing weights.
+
+    ``experts``/``weights``/``d_weights`` are ``[BT, K_PAD]`` (the forward's choice and
+    weights, and ``<grad_out, y_k>``). The choice itself carries no gradient, as in
+    kosmos_moe.router; only the gathered scores do.
+    """
+    cols = tl.arange(0, E_PAD)
+    col_ok = (cols < E)[None, :]
+    kcols = tl.arange(0, K_PAD)[None, :]
+    k_ok = kcols < TOP_K
+    if SIGMOID_GROUP:
+        scores = tl.sigmoid(logits)
+    else:
+        shifted = tl.where(col_ok, logits, float("-inf"))
+        shifted = shifted - tl.max(shifted, axis=1)[:, None]
+        numer = tl.exp(shifted)
+        scores = numer / tl.sum(numer, axis=1)[:, None]
+    # Each chosen expert's raw score r_k, then d r_k from d w_k through the renormalisation.
+    raw = tl.zeros(weights.shape, dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        e_i = tl.sum(tl.where(kcols == i, experts, 0), axis=1)
+        r_i = tl.sum(tl.where(cols[None, :] == e_i[:, None], scores, 0.0), axis=1)
+        raw = tl.where(kcols == i, r_i[:, None], raw)
+    dw = tl.where(k_ok, d_weights, 0.0)
+    if SIGMOID_GROUP:
+        if NORM_TOPK:
+            # w_k = scale * r_k / (R + eps): d r_k = (scale * d w_k - <d w, w>) / (R + eps)
+            denom = tl.sum(raw, axis=1)[:, None] + 1e-20
+            d_raw = (scale * dw - tl.sum(dw * weights, axis=1)[:, None]) / denom
+        else:
+            d_raw = scale * dw
+    else:
+        if NORM_TOPK:
+            # w_k = r_k / R: d r_k = (d w_k - <d w, w>) / R
+            denom = tl.sum(raw, axis=1)[:, None]
+            d_raw = (dw - tl.sum(dw * weights, axis=1)[:, None]) / denom
+        else:
+            d_raw = dw
+    d_raw = tl.where(k_ok, d_raw, 0.0)
+    # Scatter back to expert columns (a token picks an expert at most once).
+    d_scores = tl.zeros(logits.shape, dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        e_i = tl.sum(tl.where(kcols == i, experts, 0), axis=1)
+        d_i = tl.sum(tl.where(kcols == i, d_raw, 0.0), axis=1)
+        d_scores = tl.where(cols[None, :] == e_i[:, None], d_i[:, None], d_scores)
+    if SIGMOID_GROUP:
+        d_logits = d_scores * scores * (1.0 - scores)
+    else:
+        d_logits = scores * (d_scores - tl.sum(d_scores * scores, axis=1)[:, None])
+    return tl.where(col_ok, d_logits, 0.0)

@@ -18,6 +18,10 @@ ERR_ROWS = tl.constexpr(3)        # waited for dispatched rows of a local expert
 ERR_GATE_UP = tl.constexpr(4)     # waited for the gate/up tiles of a row tile
 ERR_COMBINE = tl.constexpr(5)     # waited for combined results of a local token
 ERR_SHARED = tl.constexpr(6)      # waited for the shared expert's gate/up tiles
+ERR_LAYOUT = tl.constexpr(7)      # backward: waited for this rank's own layout / send-list tiles
+ERR_DH_TILE = tl.constexpr(8)     # backward: waited for the SwiGLU-backward tiles of a row tile
+ERR_DW = tl.constexpr(9)          # backward: waited for routing-weight gradients of a local token
+ERR_DH_EXPERT = tl.constexpr(10)  # backward: waited for the SwiGLU-backward tiles of an expert
 
 
 @triton.jit

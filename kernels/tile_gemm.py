@@ -69,3 +69,68 @@ def down_tile(
         b = tl.load(w_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
     return acc
+
+
+@triton.jit
+def swiglu_backward_tile(
+    x_rows, g_rows, n_rows, w_gate_ptr, w_up_ptr, w_down_ptr, n0,
+    H: tl.constexpr, I: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Return fp32 ``(g @ Wd[:, n0:n0+BN], x @ Wg[n0:n0+BN]^T, x @ Wu[n0:n0+BN]^T)``.
+
+    ``x_rows`` and ``g_rows`` point at each row of the expert's input and of its (unweighted)
+    output gradient. One pass over ``H`` feeds all three products: the gradient of the SwiGLU
+    activation and the recomputed gate and up projections it needs.
+    """
+    rows = tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    row_ok = rows < n_rows
+    col_ok = cols < I
+    x_rows = x_rows[:, None]
+    g_rows = g_rows[:, None]
+    wg_cols = w_gate_ptr + cols.to(tl.int64)[None, :] * H
+    wu_cols = w_up_ptr + cols.to(tl.int64)[None, :] * H
+    wd_cols = w_down_ptr + cols[None, :]
+    acc_dh = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, H, BK, num_stages=STAGES):
+        k_ok = (k0 + ks) < H
+        a_mask = row_ok[:, None] & k_ok[None, :]
+        b_mask = k_ok[:, None] & col_ok[None, :]
+        a = tl.load(x_rows + (k0 + ks)[None, :], mask=a_mask, other=0.0).to(DOT_DTYPE)
+        dy = tl.load(g_rows + (k0 + ks)[None, :], mask=a_mask, other=0.0).to(DOT_DTYPE)
+        bg = tl.load(wg_cols + (k0 + ks)[:, None], mask=b_mask, other=0.0).to(DOT_DTYPE)
+        bu = tl.load(wu_cols + (k0 + ks)[:, None], mask=b_mask, other=0.0).to(DOT_DTYPE)
+        bd = tl.load(wd_cols + (k0 + ks).to(tl.int64)[:, None] * I, mask=b_mask, other=0.0).to(DOT_DTYPE)
+        acc_dh = tl.dot(dy, bd, acc_dh)
+        acc_g = tl.dot(a, bg, acc_g)
+        acc_u = tl.dot(a, bu, acc_u)
+    return acc_dh, acc_g, acc_u
+
+
+@triton.jit
+def rows_times_weight_tile(
+    a_ptr, n_rows, w_ptr, n0,
+    K_DIM: tl.constexpr, N_DIM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Return the fp32 tile ``a[:BM] @ W[:, n0:n0+BN]`` for a row-major ``W`` ``[K_DIM, N_DIM]``."""
+    rows = tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    row_ok = rows < n_rows
+    col_ok = cols < N_DIM
+    a_rows = a_ptr + rows.to(tl.int64)[:, None] * K_DIM
+    w_cols = w_ptr + cols[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        k_ok = (k0 + ks) < K_DIM
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + (k0 + ks).to(tl.int64)[:, None] * N_DIM, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
+    return acc

@@ -1,4 +1,4 @@
-"""Host side of the fused forward: workspace, launch, and turning kernel timeouts into errors."""
+"""Host side of the fused forward and backward: workspaces, launches, and turning kernel timeouts into errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,10 @@ from torch import nn
 
 from .config import MoEConfig
 from .fabric import Fabric
-from .workspace import GPU_TILES, INTERPRETER_TILES, ForwardLayout, Tiles, forward_layout
+from .workspace import (
+    GPU_BACKWARD_TILES, GPU_TILES, INTERPRETER_BACKWARD_TILES, INTERPRETER_TILES, BackwardTiles, Tiles,
+    WorkspaceLayout, backward_layout, forward_layout,
+)
 
 # Polls before a wait gives up. A GPU poll takes about a microsecond, an interpreter poll
 # (one pass of the worker loop in numpy) about a millisecond: both are tens of seconds.
@@ -24,6 +27,10 @@ _WHAT = {
     4: "the gate/up tiles of a row tile (down task {task})",
     5: "the combined results of local token {index} ({observed} of {expected} result blocks arrived)",
     6: "the shared expert's gate/up tiles (shared down task {task})",
+    7: "its own layout tiles (step {index}: {observed} of {expected} done)",
+    8: "the SwiGLU-backward tiles of a row tile (dx task {task})",
+    9: "the routing-weight gradients of local token {index} ({observed} of {expected} arrived)",
+    10: "the SwiGLU-backward tiles of a local expert (weight-gradient tasks)",
 }
 
 
@@ -67,24 +74,14 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-class FusedForward:
-    """Launches the persistent forward kernel for one rank of one layer.
+class _PersistentLaunch:
+    """What the forward and backward launchers share: workers, workspace, timeouts, profile."""
 
-    The workspace is requested from the fabric on the first call (a collective: every rank
-    must call) and reused by every later call; no call waits on the host, so after the first
-    eager call the layer can be captured in a CUDA graph.
-    """
+    direction = ""
+    profile_slots: tuple[str, ...] = ()
 
-    def __init__(
-        self,
-        config: MoEConfig,
-        fabric: Fabric,
-        max_tokens: int,
-        workers: int | None = None,
-        tiles: Tiles | None = None,
-        wait_bound: int | None = None,
-        profile: bool = False,
-    ) -> None:
+    def __init__(self, config: MoEConfig, fabric: Fabric, max_tokens: int, workers: int | None,
+                 tiles, wait_bound: int | None, profile: bool) -> None:
         self.config = config
         self.fabric = fabric
         self.max_tokens = max_tokens
@@ -94,7 +91,7 @@ class FusedForward:
                 "backend='kosmos' on the CPU runs its kernel under Triton's interpreter: set "
                 "TRITON_INTERPRET=1 in the environment before importing kosmos_moe"
             )
-        self.tiles = tiles or (GPU_TILES if on_gpu else INTERPRETER_TILES)
+        self.tiles = tiles
         limit = fabric.max_workers()
         if workers is not None and not 1 <= workers <= max(limit, 1 if on_gpu else workers):
             raise ValueError(
@@ -103,18 +100,19 @@ class FusedForward:
             )
         self.workers = workers or limit
         self.wait_bound = wait_bound or (GPU_WAIT_BOUND if on_gpu else INTERPRETER_WAIT_BOUND)
-        self.layout: ForwardLayout | None = None
+        self.layout: WorkspaceLayout | None = None
         self.workspace = None
         self._dtype = None
         self._pending: list[tuple[torch.cuda.Event, int]] = []
         self.failed: ExpertLayerTimeout | None = None
         # With profile=True (GPU only), every call adds per-task-kind nanoseconds and counts
-        # here; see kernels.expert_forward.PROFILE_SLOTS.
+        # here; see the kernel module's PROFILE_SLOTS.
         if profile and not on_gpu:
             raise ValueError("profiling reads the GPU timer; it is not available under the interpreter")
         self.profile = torch.zeros(32, dtype=torch.int64, device=fabric.device) if profile else None
 
-    # ------------------------------------------------------------------------------------
+    def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:
+        raise NotImplementedError
 
     def prepare(self, dtype: torch.dtype) -> None:
         """Build the workspace (collective over the fabric); call before CUDA graph capture."""
@@ -123,38 +121,30 @@ class FusedForward:
                 raise TypeError(f"the fused workspace was built for {self._dtype}, got {dtype}")
             return
         self._dtype = dtype
-        self.layout = forward_layout(self.config, self.fabric.world_size, self.max_tokens, self.tiles, dtype)
+        self.layout = self._layout(dtype)
         self.workspace = self.fabric.workspace(self.layout.nbytes)
         self._words = self.workspace.local[: 4 * self.layout.words["words"]].view(torch.int32)
 
-    def _constexprs(self, dtype: torch.dtype) -> dict:
-        c, t, lay = self.config, self.tiles, self.layout
-        world = self.fabric.world_size
-        interp = self.fabric.device.type != "cuda"
+    def _common_constexprs(self, dtype: torch.dtype) -> dict:
         import triton.language as tl
 
+        c, lay = self.config, self.layout
+        world = self.fabric.world_size
+        interp = self.fabric.device.type != "cuda"
         return dict(
-            H=c.hidden_size, I=c.moe_intermediate_size, I_S=c.shared_intermediate_size,
-            E=c.num_experts, E_L=c.num_experts // world, TOP_K=c.top_k, W=world, T_MAX=self.max_tokens,
-            TILE_CAP=lay.tile_cap,
-            SIGMOID_GROUP=c.router == "sigmoid_group", N_GROUP=c.n_group, TOPK_GROUP=c.topk_group,
-            NORM_TOPK=c.norm_topk_prob, ROUTER_PRECISION="ieee" if interp else "tf32x3",
+            H=c.hidden_size, I=c.moe_intermediate_size, E=c.num_experts, E_L=c.num_experts // world,
+            TOP_K=c.top_k, W=world, T_MAX=self.max_tokens, TILE_CAP=lay.tile_cap,
+            SIGMOID_GROUP=c.router == "sigmoid_group", NORM_TOPK=c.norm_topk_prob,
+            ROUTER_PRECISION="ieee" if interp else "tf32x3",
             **lay.kernel_args(),
-            BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows, BN_GU=t.gate_up_cols,
-            BN_DN=t.down_cols, BK=t.depth, BTF=t.fold_tokens, BHF=t.fold_cols, STAGES=t.stages,
             E_PAD=max(16, _next_pow2(c.num_experts)), EL_PAD=_next_pow2(c.num_experts // world),
-            W_PAD=_next_pow2(world), K_PAD=_next_pow2(c.top_k), G_PAD=_next_pow2(c.n_group),
-            O_PAD=_next_pow2(c.num_experts),
+            W_PAD=_next_pow2(world), K_PAD=_next_pow2(c.top_k), O_PAD=_next_pow2(c.num_experts),
             DOT_DTYPE=tl.float32 if (interp or dtype == torch.float32) else tl.bfloat16 if dtype == torch.bfloat16 else tl.float16,
             SCOPE=self.fabric.signal_scope,
         )
 
-    def __call__(self, tokens: torch.Tensor, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the layer's forward on ``tokens`` ``[T, H]``; return the output and top-k ids."""
-        from kosmos_moe.kernels.expert_forward import expert_forward_kernel
-
-        self.raise_if_failed(block=False)
-        n, hidden = tokens.shape
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        n = tokens.shape[0]
         if n > self.max_tokens:
             raise ValueError(
                 f"{n} tokens on rank {self.fabric.rank}, but the layer was built for max_tokens_per_rank="
@@ -162,44 +152,14 @@ class FusedForward:
             )
         if tokens.device != self.fabric.device:
             raise ValueError(f"tokens are on {tokens.device}, the fabric of this layer on {self.fabric.device}")
-        self.prepare(tokens.dtype)
-        tokens = tokens.contiguous()
-        gate = layer.gate
-        experts = layer.experts
-        shared = layer.shared_experts
-        bias = gate.e_score_correction_bias
-        dummy = self.workspace.local
-        out = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=tokens.device)
-        if self.fabric.device.type == "cuda":
-            _HostRecords.reserve()
-        x = tokens if n > 0 else out
-        expert_forward_kernel[(self.workers,)](
-            x, out, n,
-            gate.weight, bias if bias is not None else dummy, float(self.config.routed_scaling_factor),
-            experts.gate_up_proj, experts.down_proj,
-            shared.gate_proj.weight if shared is not None else dummy,
-            shared.up_proj.weight if shared is not None else dummy,
-            shared.down_proj.weight if shared is not None else dummy,
-            self.workspace.peers, self.fabric.rank, self.wait_bound,
-            self.profile if self.profile is not None else self.workspace.peers,
-            **self._constexprs(tokens.dtype), PROFILE=self.profile is not None,
-            num_warps=self.tiles.warps,
-        )
-        lay = self.layout
-        top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * self.config.top_k]
-        top_e = top_e.view(n, self.config.top_k).long()
-        self._watch()
-        return out[:n], top_e
 
     def profile_report(self) -> dict[str, dict[str, float]]:
         """Per task kind: worker-seconds spent and passes, summed over the profiled calls."""
-        from kosmos_moe.kernels.expert_forward import PROFILE_SLOTS
-
         if self.profile is None:
             raise RuntimeError("build the launcher with profile=True")
         values = self.profile.cpu().tolist()
         return {
-            kind: {"seconds": values[i] * 1e-9, "passes": values[16 + i]} for i, kind in enumerate(PROFILE_SLOTS)
+            kind: {"seconds": values[i] * 1e-9, "passes": values[16 + i]} for i, kind in enumerate(self.profile_slots)
         }
 
     # ------------------------------------------------------------------------------------
@@ -225,7 +185,7 @@ class FusedForward:
         """Raise :class:`ExpertLayerTimeout` if any earlier call timed out.
 
         With ``block`` it waits for the calls in flight; otherwise it looks only at those that
-        have finished. Every forward does the non-blocking check first.
+        have finished. Every call does the non-blocking check first.
         """
         if self.failed is not None:
             raise self.failed
@@ -256,8 +216,194 @@ class FusedForward:
             peer=peer, index=index, expected=expected, observed=observed, task=task
         )
         self.failed = ExpertLayerTimeout(
-            f"kosmos forward on rank {rank} of {self.fabric.world_size} timed out after {self.wait_bound} polls "
-            f"waiting for {what}. A peer may not have launched its forward, or launched a different one. "
+            f"kosmos {self.direction} on rank {rank} of {self.fabric.world_size} timed out after {self.wait_bound} polls "
+            f"waiting for {what}. A peer may not have launched its {self.direction}, or launched a different one. "
             "The workspaces of this world are now inconsistent: rebuild the layers."
         )
         raise self.failed
+
+
+class FusedForward(_PersistentLaunch):
+    """Launches the persistent forward kernel for one rank of one layer.
+
+    The workspace is requested from the fabric on the first call (a collective: every rank
+    must call) and reused by every later call; no call waits on the host, so after the first
+    eager call the layer can be captured in a CUDA graph. With ``backward=True`` the
+    backward's workspace is requested at the same time, so that a rank's first backward never
+    allocates while its peers' kernels run.
+    """
+
+    direction = "forward"
+
+    def __init__(
+        self,
+        config: MoEConfig,
+        fabric: Fabric,
+        max_tokens: int,
+        workers: int | None = None,
+        tiles: Tiles | None = None,
+        wait_bound: int | None = None,
+        profile: bool = False,
+        backward: bool = False,
+        backward_tiles: BackwardTiles | None = None,
+    ) -> None:
+        on_gpu = fabric.device.type == "cuda"
+        super().__init__(config, fabric, max_tokens, workers, tiles or (GPU_TILES if on_gpu else INTERPRETER_TILES),
+                         wait_bound, profile)
+        from kosmos_moe.kernels.expert_forward import PROFILE_SLOTS
+
+        self.profile_slots = PROFILE_SLOTS
+        self.backward = FusedBackward(config, fabric, max_tokens, workers, backward_tiles, wait_bound, profile)
+        self.backward_at_prepare = backward
+
+    def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:
+        return forward_layout(self.config, self.fabric.world_size, self.max_tokens, self.tiles, dtype)
+
+    def prepare(self, dtype: torch.dtype) -> None:
+        super().prepare(dtype)
+        if self.backward_at_prepare:
+            self.backward.prepare(dtype)
+
+    def __call__(
+        self, tokens: torch.Tensor, layer: nn.Module, shared: bool = True, keep_routing: bool = False
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the layer's forward on ``tokens`` ``[T, H]``; return the output and top-k ids.
+
+        With ``shared=False`` the kernel leaves the shared expert out (training adds it through
+        autograd). With ``keep_routing`` it also returns copies of the int32 choices and fp32
+        weights ``[T, K]`` that the backward needs.
+        """
+        from kosmos_moe.kernels.expert_forward import expert_forward_kernel
+
+        self.raise_if_failed(block=False)
+        self._check_tokens(tokens)
+        n, hidden = tokens.shape
+        self.prepare(tokens.dtype)
+        tokens = tokens.contiguous()
+        c, t = self.config, self.tiles
+        gate = layer.gate
+        experts = layer.experts
+        shared_mlp = layer.shared_experts if shared else None
+        bias = gate.e_score_correction_bias
+        dummy = self.workspace.local
+        out = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=tokens.device)
+        if self.fabric.device.type == "cuda":
+            _HostRecords.reserve()
+        x = tokens if n > 0 else out
+        expert_forward_kernel[(self.workers,)](
+            x, out, n,
+            gate.weight, bias if bias is not None else dummy, float(c.routed_scaling_factor),
+            experts.gate_up_proj, experts.down_proj,
+            shared_mlp.gate_proj.weight if shared_mlp is not None else dummy,
+            shared_mlp.up_proj.weight if shared_mlp is not None else dummy,
+            shared_mlp.down_proj.weight if shared_mlp is not None else dummy,
+            self.workspace.peers, self.fabric.rank, self.wait_bound,
+            self.profile if self.profile is not None else self.workspace.peers,
+            **self._common_constexprs(tokens.dtype),
+            I_S=c.shared_intermediate_size if shared_mlp is not None else 0,
+            N_GROUP=c.n_group, TOPK_GROUP=c.topk_group, G_PAD=_next_pow2(c.n_group),
+            BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
+            BN_GU=t.gate_up_cols, BN_DN=t.down_cols, BK=t.depth, BTF=t.fold_tokens, BHF=t.fold_cols,
+            STAGES=t.stages, PROFILE=self.profile is not None,
+            num_warps=t.warps,
+        )
+        lay = self.layout
+        top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * c.top_k].view(n, c.top_k)
+        self._watch()
+        if not keep_routing:
+            return out[:n], top_e.long()
+        w0 = lay.bytes["topk_w"]
+        top_w = self.workspace.local[w0: w0 + 4 * n * c.top_k].view(torch.float32).view(n, c.top_k)
+        return out[:n], top_e.long(), top_e.clone(), top_w.clone()
+
+    def raise_if_failed(self, block: bool = True) -> None:
+        """Raise :class:`ExpertLayerTimeout` if an earlier forward or backward call timed out."""
+        super().raise_if_failed(block)
+        self.backward.raise_if_failed(block)
+
+
+class FusedBackward(_PersistentLaunch):
+    """Launches the persistent backward kernel for one rank of one layer (routed experts).
+
+    It needs from the forward only the input and the forward's choices and weights; the
+    dispatch layout is rebuilt from those, so any number of forwards may run before their
+    backwards. Its workspace is separate from the forward's.
+    """
+
+    direction = "backward"
+
+    def __init__(self, config, fabric, max_tokens, workers=None, tiles=None, wait_bound=None, profile=False) -> None:
+        on_gpu = fabric.device.type == "cuda"
+        super().__init__(config, fabric, max_tokens, workers,
+                         tiles or (GPU_BACKWARD_TILES if on_gpu else INTERPRETER_BACKWARD_TILES), wait_bound, profile)
+        from kosmos_moe.kernels.expert_backward import PROFILE_SLOTS
+
+        self.profile_slots = PROFILE_SLOTS
+
+    def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:
+        return backward_layout(self.config, self.fabric.world_size, self.max_tokens, self.tiles, dtype)
+
+    def __call__(
+        self, tokens: torch.Tensor, grad_out: torch.Tensor, top_e: torch.Tensor, top_w: torch.Tensor,
+        router_weight: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Return ``(grad_x, grad_router_weight (fp32), grad_gate_up_proj, grad_down_proj)``."""
+        from kosmos_moe.kernels.expert_backward import expert_backward_kernel
+
+        self.raise_if_failed(block=False)
+        self._check_tokens(tokens)
+        n, hidden = tokens.shape
+        self.prepare(tokens.dtype)
+        c, t = self.config, self.tiles
+        tokens = tokens.contiguous()
+        grad_out = grad_out.to(tokens.dtype).contiguous()
+        dx = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=tokens.device)
+        d_router = torch.empty(router_weight.shape, dtype=torch.float32, device=tokens.device)
+        d_gate_up = torch.empty_like(gate_up_proj)
+        d_down = torch.empty_like(down_proj)
+        if self.fabric.device.type == "cuda":
+            _HostRecords.reserve()
+        if n == 0:  # typed stand-ins keep the one compiled kernel of every rank
+            tokens, grad_out = dx, dx
+            top_e = torch.zeros(1, c.top_k, dtype=torch.int32, device=dx.device)
+            top_w = torch.zeros(1, c.top_k, dtype=torch.float32, device=dx.device)
+        expert_backward_kernel[(self.workers,)](
+            tokens, grad_out, dx, top_e, top_w, n,
+            router_weight, float(c.routed_scaling_factor), gate_up_proj, down_proj,
+            d_router, d_gate_up, d_down,
+            self.workspace.peers, self.fabric.rank, self.wait_bound,
+            self.profile if self.profile is not None else self.workspace.peers,
+            **self._common_constexprs(tokens.dtype),
+            BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
+            BN_DH=t.swiglu_cols, BN_DX=t.dx_cols, BK=t.depth, BKW=t.wgrad_depth, BWM=t.wgrad_rows,
+            BWN=t.wgrad_cols, BHR=t.route_cols, BTF=t.fold_tokens, BHF=t.fold_cols, STAGES=t.stages,
+            PROFILE=self.profile is not None,
+            num_warps=t.warps,
+        )
+        self._watch()
+        return dx[:n], d_router, d_gate_up, d_down
+
+
+class FusedExpertsFunction(torch.autograd.Function):
+    """Autograd over the fused kernels: routed experts and router, one launch per direction.
+
+    Saved between the two: the input (which autograd keeps for the caller anyway), the
+    forward's int32 choices and fp32 routing weights (``8 K`` bytes per token) and the weights
+    themselves (no copies). Everything else is recomputed inside the backward launch.
+    """
+
+    @staticmethod
+    def forward(ctx, tokens, router_weight, gate_up_proj, down_proj, launcher: FusedForward, layer: nn.Module):
+        out, top_e, top_e32, top_w = launcher(tokens, layer, shared=False, keep_routing=True)
+        ctx.launcher = launcher
+        ctx.save_for_backward(tokens, router_weight, gate_up_proj, down_proj, top_e32, top_w)
+        ctx.mark_non_differentiable(top_e)
+        return out, top_e
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_top_e):
+        tokens, router_weight, gate_up_proj, down_proj, top_e, top_w = ctx.saved_tensors
+        dx, d_router, d_gate_up, d_down = ctx.launcher.backward(
+            tokens, grad_out, top_e, top_w, router_weight, gate_up_proj, down_proj
+        )
+        return dx, d_router.to(router_weight.dtype), d_gate_up, d_down, None, None

@@ -176,8 +176,12 @@ class ExpertLayer(nn.Module):
             fabric = self._fabric or default_fabric(self.group, self.gate.weight.device)
             if fabric.device != self.gate.weight.device:
                 raise ValueError(f"the fabric is on {fabric.device}, the layer's weights on {self.gate.weight.device}")
+            options = dict(self._fused_options)
+            # A layer that can train builds its backward workspace with the forward's, so that
+            # no rank allocates while its peers' kernels wait for it.
+            options.setdefault("backward", any(p.requires_grad for p in self.parameters()))
             self._fused = FusedForward(
-                self.config, fabric, self.max_tokens_per_rank, self._workers_per_rank, **self._fused_options
+                self.config, fabric, self.max_tokens_per_rank, self._workers_per_rank, **options
             )
         return self._fused
 
@@ -205,12 +209,21 @@ class ExpertLayer(nn.Module):
         return out.reshape(*leading, self.config.hidden_size)
 
     def _kosmos_forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (tokens.requires_grad or any(p.requires_grad for p in self.parameters())):
-            raise RuntimeError(
-                "backend='kosmos' has a fused forward only, no backward yet: run it under torch.no_grad() "
-                "or torch.inference_mode(), or use backend='reference' for training"
-            )
-        out, top_e = self.fused()(tokens, self)
+        launcher = self.fused()
+        routed = (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj)
+        if torch.is_grad_enabled() and (tokens.requires_grad or any(p.requires_grad for p in routed)):
+            from .fused import FusedExpertsFunction
+
+            out, top_e = FusedExpertsFunction.apply(tokens, *routed, launcher, self)
+            if self.shared_experts is not None:
+                out = out + self.shared_experts(tokens)
+        elif self.shared_experts is not None and torch.is_grad_enabled() and any(
+            p.requires_grad for p in self.shared_experts.parameters()
+        ):
+            out, top_e = launcher(tokens, self, shared=False)  # only the shared experts train
+            out = out + self.shared_experts(tokens)
+        else:
+            out, top_e = launcher(tokens, self)  # inference: the shared expert inside, nothing saved
         with torch.no_grad():
             counts = tokens_per_expert(top_e, self.config.num_experts)
             self.tokens_per_expert.copy_(counts)

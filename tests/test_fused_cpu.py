@@ -142,8 +142,6 @@ def check_bad_calls(rank, world):
     with pytest.raises(ValueError, match="9 tokens on rank 0, but the layer was built for max_tokens_per_rank=8"):
         with torch.no_grad():
             layer(torch.randn(9, 16))
-    with pytest.raises(RuntimeError, match="no backward yet"):
-        layer(torch.randn(4, 16))
     with torch.no_grad():
         assert layer(torch.randn(0, 16)).shape == (0, 16)
         assert layer(torch.randn(2, 3, 16)).shape == (2, 3, 16)

@@ -1,0 +1,607 @@
+"""The persistent backward kernel of the expert layer: one launch per rank, like the forward.
+
+The forward leaves each token's choice (``topk_e``) and routing weights (``topk_w``); the
+backward rebuilds the dispatch layout from them, so nothing but those ``8 K`` bytes per
+token (and the layer's input, which autograd keeps anyway) is saved between the two. With
+``g = grad_out`` and, for the row of (token t, choice k) on expert e, ``w`` its routing weight:
+
+    y    = silu(x Wg^T) * (x Wu^T) @ Wd^T          (recomputed in pieces, never stored)
+    dh'  = g Wd            dw_k = <g, y_k> = <dh', h>        dh = w dh'
+    dg   = dh * u * silu'(a)   du = dh * silu(a)   with a = x Wg^T, u = x Wu^T
+    dx   = [dg du] [Wg; Wu]     dWd = sum_rows g^T (w h)     dW[g;u] = sum_rows [dg du]^T x
+
+Task queues (priority order: the consumer closest to grad_x first)
+-------------------------------------------------------------------
+FOLD      one per block of BTF local tokens: ``grad_x[t] = sum_k dx[t, k] + dx_router[t]``.
+          Ready when every dx block and the router part of the block's tokens have arrived.
+DX        (local expert, H-block, row tile): ``dx = [dg du] @ [Wg; Wu]`` over depth 2I; the
+          epilogue stores each row into its source rank's combine buffer. The H-block-0 task
+          also sums the row's ``dw`` partials (fixed order) and sends ``dw`` to the source.
+          Ready when all SwiGLU-backward tiles of the row tile are done.
+RBWD      route backward of BT local tokens: recomputes the fp32 router logits, takes ``dw``
+          through the top-k rule to ``d logits`` (kept for DWR) and adds ``d logits @ Wr`` as
+          the router's part of grad_x. Ready when every ``dw`` of its tokens has arrived.
+DH        (local expert, I-block, row tile): one pass over H computes ``dh'``, and recomputes
+          the gate and up projections; the epilogue writes ``w h``, ``[dg du]`` and the row's
+          partial ``dw``. Ready when every source has delivered that expert's rows.
+FEED      claimed without a readiness check, in order: layout tiles (histogram of the
+          choices of BT tokens per expert), the count exchange (tile prefix sums, counts to
+          every peer), send-list tiles (each (token, k) at its token-ordered place in its
+          expert's send list), then dispatch chunks (x rows and g rows of one (destination,
+          expert) in receiver order). Token order makes the row order of every expert, and so
+          every reduction below, the same from run to run.
+DWGU, DWD (local expert, output tile) of ``dW[g;u]`` and ``dWd``: each task reduces over all of
+          the expert's rows in slot order (deterministic, no atomics). Ready when every
+          SwiGLU-backward tile of the expert is done; experts without rows write zeros.
+DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T x`` over the
+          local tokens in order. Ready when every route-backward tile is done.
+
+Why it cannot deadlock: the forward's argument (kernels.expert_forward) carries over. Only
+FEED tasks are claimed before they are ready and each waits only on FEED tasks before it in
+some rank's queue (count exchange on this rank's layout tiles; send-list tiles on this rank's
+count exchange; dispatch chunks on every rank's count exchange and this rank's send lists).
+Readiness follows FEED < DH < DX < RBWD < FOLD and DH < DWGU, DWD; RBWD < DWR, one
+topological order over all ranks, so the earliest unfinished task is always running or
+claimable, with any number of workers per rank.
+
+Epochs, parity, the error record and the reset by the last worker work as in the forward.
+"""
+
+import triton
+import triton.language as tl
+
+from .profile import now
+from .queues import locate, pick, recv_table
+from .route import router_logits, routing_backward
+from .signals import (
+    ERR_COMBINE, ERR_COUNTS, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
+    peer_ptr, record_error, signal_add,
+)
+from .tile_gemm import rows_times_weight_tile, swiglu_backward_tile
+
+PROFILE_SLOTS = ("idle", "layout", "count_exchange", "dispatch", "swiglu_backward", "dx",
+                 "route_backward", "fold", "weight_grad", "router_weight_grad")
+
+Q_FEED = tl.constexpr(0)
+Q_DH = tl.constexpr(1)
+Q_DX = tl.constexpr(2)
+Q_RBWD = tl.constexpr(3)
+Q_FOLD = tl.constexpr(4)
+Q_DWGU = tl.constexpr(5)
+Q_DWD = tl.constexpr(6)
+Q_DWR = tl.constexpr(7)
+
+C_EPOCH = tl.constexpr(0)
+C_EXIT = tl.constexpr(1)
+C_ABORT = tl.constexpr(2)
+C_LAYOUT_A = tl.constexpr(3)   # layout tiles done
+C_PREFIX = tl.constexpr(4)     # 1 once the count exchange wrote the tile prefix sums
+C_LAYOUT_B = tl.constexpr(5)   # send-list tiles done
+C_RB_DONE = tl.constexpr(6)    # route-backward tiles done
+C_HEADS = tl.constexpr(8)
+C_ERR = tl.constexpr(16)
+
+
+@triton.jit
+def _row_ptrs(ctl, rows, row_ok, me, local_ptr, recv_ptr,
+              C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, TOP_K: tl.constexpr, H: tl.constexpr):
+    """Pointers to received rows: rows from this rank are read where they are, in the input."""
+    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+    return tl.where(src == me, local_ptr + (ent // TOP_K).to(tl.int64) * H, recv_ptr + rows.to(tl.int64) * H)
+
+
+@triton.jit
+def _wait_at_least(ptr, target, wait_bound, SCOPE: tl.constexpr):
+    """Poll ``ptr`` (acquire) until it reaches ``target`` or the bound runs out; return the last value."""
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+    polls = 0
+    while (seen < target) & (polls <= wait_bound):
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+        polls += 1
+    return seen
+
+
+@triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound"])
+def expert_backward_kernel(
+    x_ptr, g_ptr, dx_ptr, topk_e_ptr, topk_w_ptr, n_tokens,
+    router_w_ptr, scale, w_gate_up_ptr, w_down_ptr,
+    d_router_ptr, d_gate_up_ptr, d_down_ptr,
+    peers_ptr, me, wait_bound, profile_ptr,
+    H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, E_L: tl.constexpr, TOP_K: tl.constexpr,
+    W: tl.constexpr, T_MAX: tl.constexpr, TILE_CAP: tl.constexpr,
+    SIGMOID_GROUP: tl.constexpr, NORM_TOPK: tl.constexpr, ROUTER_PRECISION: tl.constexpr,
+    C_TABLE: tl.constexpr, C_FLAG: tl.constexpr, C_ARRIVED: tl.constexpr, C_DH_DONE: tl.constexpr,
+    C_DH_EXP: tl.constexpr, C_COMB_ARR: tl.constexpr, C_DW_ARR: tl.constexpr, C_HIST: tl.constexpr,
+    C_TPOS: tl.constexpr, C_SEND_LIST: tl.constexpr, C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr,
+    C_WORDS: tl.constexpr,
+    B_RECV_W: tl.constexpr, B_DW_PART: tl.constexpr, B_DW_COMB: tl.constexpr, B_DLOGITS: tl.constexpr,
+    B_RECV_X: tl.constexpr, B_RECV_G: tl.constexpr, B_HW: tl.constexpr, B_DGU: tl.constexpr,
+    B_COMB: tl.constexpr,
+    BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
+    BN_DH: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BWM: tl.constexpr,
+    BWN: tl.constexpr, BHR: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
+    E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    O_PAD: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr,
+):
+    DT = x_ptr.dtype.element_ty
+    ES: tl.constexpr = DT.primitive_bitwidth // 8
+    SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
+    N_IB: tl.constexpr = (I + BN_DH - 1) // BN_DH
+    N_HB: tl.constexpr = (H + BN_DX - 1) // BN_DX
+    EXPECT_PER_TOKEN: tl.constexpr = TOP_K * N_HB + 1
+    N_WGU_M: tl.constexpr = (2 * I + BWM - 1) // BWM
+    N_WGU_N: tl.constexpr = (H + BWN - 1) // BWN
+    N_WD_M: tl.constexpr = (H + BWM - 1) // BWM
+    N_WD_N: tl.constexpr = (I + BWN - 1) // BWN
+    N_WR_M: tl.constexpr = (E + BWM - 1) // BWM
+    n_dwgu = E_L * N_WGU_M * N_WGU_N
+    n_dwd = E_L * N_WD_M * N_WD_N
+    n_dwr = N_WR_M * N_WGU_N
+
+    ctl = peer_ptr(peers_ptr, me, 0, tl.int32)
+    heads = ctl + C_HEADS
+    err = ctl + C_ERR
+    abort = ctl + C_ABORT
+    recv_w = peer_ptr(peers_ptr, me, B_RECV_W, tl.float32)
+    dw_part = peer_ptr(peers_ptr, me, B_DW_PART, tl.float32)
+    dw_comb = peer_ptr(peers_ptr, me, B_DW_COMB, tl.float32)
+    dlogits = peer_ptr(peers_ptr, me, B_DLOGITS, tl.float32)
+    recv_x = peer_ptr(peers_ptr, me, B_RECV_X, DT)
+    recv_g = peer_ptr(peers_ptr, me, B_RECV_G, DT)
+    hw = peer_ptr(peers_ptr, me, B_HW, DT)
+    dgu = peer_ptr(peers_ptr, me, B_DGU, DT)
+    comb = peer_ptr(peers_ptr, me, B_COMB, DT)
+
+    epoch = tl.load(ctl + C_EPOCH) + 1
+    par = epoch % 2
+    n_lt = tl.cdiv(n_tokens, BT)
+    n_disp = tl.cdiv(n_tokens * TOP_K, BR) + E
+    n_feed = 2 * n_lt + 1 + n_disp
+    n_fold = tl.cdiv(n_tokens, BTF)
+
+    w_idx = tl.arange(0, W_PAD)
+    el_idx = tl.arange(0, EL_PAD)
+    o_idx = tl.arange(0, O_PAD)
+    e_idx = tl.arange(0, E_PAD)
+    kk = tl.arange(0, K_PAD)
+
+    running = 1
+    idle = 0
+    while running > 0:
+        t_pass = now() if PROFILE else 0
+        did = 0
+        flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
+        known = tl.sum(((flags >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+        tl.debug_barrier()
+        table = recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE)
+        table = tl.where(known, table, 0)
+        n_el = tl.sum(table, axis=0)
+        tiles_el = tl.cdiv(n_el, BM)
+        tile_start_el = tl.cumsum(tiles_el, axis=0) - tiles_el
+        row_start_el = tl.cumsum(n_el, axis=0) - n_el
+        cum_dh = tl.cumsum(tiles_el * N_IB, axis=0)
+        cum_dx = tl.cumsum(tiles_el * N_HB, axis=0)
+        n_dh = tl.sum(tiles_el * N_IB, axis=0)
+        n_dx = tl.sum(tiles_el * N_HB, axis=0)
+
+        # ---- FOLD ----
+        f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+        if f < n_fold:
+            toks = f * BTF + tl.arange(0, BTF)
+            tok_ok = toks < n_tokens
+            got = tl.atomic_add(ctl + C_COMB_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
+            if tl.sum(((got != EXPECT_PER_TOKEN) & tok_ok).to(tl.int32), axis=0) == 0:
+                if tl.atomic_cas(heads + Q_FOLD, f, f + 1, sem="relaxed") == f:
+                    tl.debug_barrier()
+                    t64 = toks.to(tl.int64)
+                    for h0 in tl.range(0, H, BHF):
+                        cols = h0 + tl.arange(0, BHF)
+                        m2 = tok_ok[:, None] & (cols < H)[None, :]
+                        acc = tl.zeros([BTF, BHF], dtype=tl.float32)
+                        for s in tl.static_range(SLOTS):
+                            acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
+                                           mask=m2, other=0.0).to(tl.float32)
+                        tl.store(dx_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
+                    did = 7
+
+        # ---- DX ----
+        if did == 0:
+            q = tl.atomic_add(heads + Q_DX, 0, sem="relaxed")
+            if known & (q < n_dx):
+                e, first = locate(cum_dx, el_idx, q)
+                n_tiles_e = pick(tiles_el, el_idx, e)
+                local = q - first
+                hb = local // n_tiles_e
+                m = local % n_tiles_e
+                tile = pick(tile_start_el, el_idx, e) + m
+                if tl.atomic_add(ctl + C_DH_DONE + tile, 0, sem="acquire", scope="gpu") == N_IB:
+                    if tl.atomic_cas(heads + Q_DX, q, q + 1, sem="relaxed") == q:
+                        tl.debug_barrier()
+                        row0 = pick(row_start_el, el_idx, e) + m * BM
+                        n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
+                        acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
+                                                     w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
+                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, STAGES)
+                        rows = row0 + tl.arange(0, BM)
+                        row_ok = tl.arange(0, BM) < n_rows
+                        src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+                        ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+                        tok = ent // TOP_K
+                        slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
+                        base = tl.load(peers_ptr + src, mask=row_ok, other=0)
+                        cols = hb * BN_DX + tl.arange(0, BN_DX)
+                        dst = (base + B_COMB + slot * H * ES)[:, None] + cols[None, :].to(tl.int64) * ES
+                        tl.store(dst.to(tl.pointer_type(DT)), acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
+                        if hb == 0:
+                            ib = tl.arange(0, 16)
+                            dw = tl.zeros([BM], dtype=tl.float32)
+                            for i0 in tl.static_range(0, N_IB, 16):  # fixed order: deterministic
+                                part = tl.load(dw_part + rows.to(tl.int64)[:, None] * N_IB + (i0 + ib)[None, :],
+                                               mask=row_ok[:, None] & ((i0 + ib) < N_IB)[None, :], other=0.0)
+                                dw += tl.sum(part, axis=1)
+                            dw_dst = (base + B_DW_COMB + ent.to(tl.int64) * 4).to(tl.pointer_type(tl.float32))
+                            tl.store(dw_dst, dw, mask=row_ok)
+                        tl.debug_barrier()
+                        arrive = (base + (C_COMB_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+                        tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                        if hb == 0:
+                            dw_arrive = (base + (C_DW_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+                            tl.atomic_add(dw_arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                        did = 5
+
+        # ---- RBWD ----
+        if did == 0:
+            r = tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed")
+            if r < n_lt:
+                toks = r * BT + tl.arange(0, BT)
+                tok_ok = toks < n_tokens
+                got = tl.atomic_add(ctl + C_DW_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
+                if tl.sum(((got != TOP_K) & tok_ok).to(tl.int32), axis=0) == 0:
+                    if tl.atomic_cas(heads + Q_RBWD, r, r + 1, sem="relaxed") == r:
+                        tl.debug_barrier()
+                        t0 = r * BT
+                        n_rows = tl.minimum(n_tokens - t0, BT)
+                        logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
+                                               H, E, BT, E_PAD, BK_R, ROUTER_PRECISION)
+                        ok = tok_ok[:, None] & (kk < TOP_K)[None, :]
+                        ent = toks[:, None] * TOP_K + kk[None, :]
+                        experts = tl.load(topk_e_ptr + ent, mask=ok, other=0)
+                        weights = tl.load(topk_w_ptr + ent, mask=ok, other=0.0)
+                        d_w = tl.load(dw_comb + ent, mask=ok, other=0.0)
+                        d_logits = routing_backward(logits, experts, weights, d_w, scale, E, E_PAD, TOP_K, K_PAD,
+                                                    SIGMOID_GROUP, NORM_TOPK)
+                        d_logits = tl.where(tok_ok[:, None], d_logits, 0.0)
+                        t64 = toks.to(tl.int64)
+                        tl.store(dlogits + t64[:, None] * E + e_idx[None, :], d_logits,
+                                 mask=tok_ok[:, None] & (e_idx < E)[None, :])
+                        for h0 in tl.range(0, H, BHR):
+                            cols = h0 + tl.arange(0, BHR)
+                            wr = tl.load(router_w_ptr + e_idx[:, None] * H + cols[None, :],
+                                         mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
+                            part = tl.dot(d_logits, wr, input_precision=ROUTER_PRECISION)
+                            tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
+                                     mask=tok_ok[:, None] & (cols < H)[None, :])
+                        tl.debug_barrier()
+                        tl.atomic_add(ctl + C_COMB_ARR + toks, 1, mask=tok_ok, sem="release", scope=SCOPE)
+                        signal_add(ctl + C_RB_DONE, 1, "gpu")
+                        did = 6
+
+        # ---- DH ----
+        if did == 0:
+            q = tl.atomic_add(heads + Q_DH, 0, sem="relaxed")
+            if known & (q < n_dh):
+                e, first = locate(cum_dh, el_idx, q)
+                n_rows_e = pick(n_el, el_idx, e)
+                arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
+                                        sem="acquire", scope=SCOPE)
+                if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
+                    if tl.atomic_cas(heads + Q_DH, q, q + 1, sem="relaxed") == q:
+                        tl.debug_barrier()
+                        n_tiles_e = pick(tiles_el, el_idx, e)
+                        local = q - first
+                        ib = local // n_tiles_e
+                        m = local % n_tiles_e
+                        row0 = pick(row_start_el, el_idx, e) + m * BM
+                        n_rows = tl.minimum(n_rows_e - m * BM, BM)
+                        rows = row0 + tl.arange(0, BM)
+                        row_ok = tl.arange(0, BM) < n_rows
+                        x_rows = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                        g_rows = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                        w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+                        dh1, a, u = swiglu_backward_tile(x_rows, g_rows, n_rows, w_e, w_e + I * H,
+                                                         w_down_ptr + e.to(tl.int64) * H * I, ib * BN_DH,
+                                                         H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
+                        wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
+                        sig = tl.sigmoid(a)
+                        silu = a * sig
+                        h = silu * u
+                        cols = ib * BN_DH + tl.arange(0, BN_DH)
+                        col_ok = cols < I
+                        m2 = row_ok[:, None] & col_ok[None, :]
+                        part = tl.sum(tl.where(m2, dh1 * h, 0.0), axis=1)
+                        tl.store(dw_part + rows.to(tl.int64) * N_IB + ib, part, mask=row_ok)
+                        dh = dh1 * wgt[:, None]
+                        d_a = dh * u * (sig + silu * (1.0 - sig))
+                        d_u = dh * silu
+                        r64 = rows.to(tl.int64)[:, None]
+                        tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
+                        tl.store(dgu + r64 * (2 * I) + cols[None, :], d_a.to(DT), mask=m2)
+                        tl.store(dgu + r64 * (2 * I) + I + cols[None, :], d_u.to(DT), mask=m2)
+                        tl.debug_barrier()
+                        tl.atomic_add(ctl + C_DH_DONE + pick(tile_start_el, el_idx, e) + m, 1, sem="release", scope="gpu")
+                        tl.atomic_add(ctl + C_DH_EXP + e, 1, sem="release", scope="gpu")
+                        did = 4
+
+        # ---- FEED: layout tiles, count exchange, send-list tiles, dispatch chunks ----
+        if did == 0:
+            if tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") < n_feed:
+                a = tl.atomic_add(heads + Q_FEED, 1, sem="relaxed")
+                if a < n_lt:
+                    # Layout tile: per-expert histogram of BT tokens, each choice's rank in it.
+                    toks = a * BT + tl.arange(0, BT)
+                    tok_ok = toks < n_tokens
+                    ok = tok_ok[:, None] & (kk < TOP_K)[None, :]
+                    experts = tl.load(topk_e_ptr + toks[:, None] * TOP_K + kk[None, :], mask=ok, other=-1)
+                    hits = tl.zeros([BT, E_PAD], dtype=tl.int32)
+                    for i in tl.static_range(TOP_K):
+                        e_i = tl.sum(tl.where(kk[None, :] == i, experts, 0), axis=1)
+                        hits += ((e_idx[None, :] == e_i[:, None]) & tok_ok[:, None]).to(tl.int32)
+                    before = tl.cumsum(hits, axis=0) - hits
+                    tl.store(ctl + C_HIST + a * E + e_idx, tl.sum(hits, axis=0), mask=e_idx < E)
+                    for i in tl.static_range(TOP_K):
+                        e_i = tl.sum(tl.where(kk[None, :] == i, experts, 0), axis=1)
+                        rank_i = tl.sum(tl.where(e_idx[None, :] == e_i[:, None], before, 0), axis=1)
+                        tl.store(ctl + C_TPOS + toks * TOP_K + i, rank_i, mask=tok_ok)
+                    signal_add(ctl + C_LAYOUT_A, 1, "gpu")
+                    did = 1
+                elif a == n_lt:
+                    # Count exchange: tile prefix sums in place, then counts to every rank.
+                    done = _wait_at_least(ctl + C_LAYOUT_A, n_lt, wait_bound, "gpu")
+                    if done < n_lt:
+                        record_error(err, abort, ERR_LAYOUT, me, a, me, 0, n_lt, done)
+                    else:
+                        tl.debug_barrier()
+                        running_sum = tl.zeros([E_PAD], dtype=tl.int32)
+                        for j in range(0, n_lt):
+                            hj = tl.load(ctl + C_HIST + j * E + e_idx, mask=e_idx < E, other=0)
+                            tl.store(ctl + C_HIST + j * E + e_idx, running_sum, mask=e_idx < E)
+                            running_sum += hj
+                        signal_add(ctl + C_PREFIX, 1, "gpu")
+                        for dst in tl.static_range(W):
+                            peer_table = peer_ptr(peers_ptr, dst, (C_TABLE + par * W * E + me * E) * 4, tl.int32)
+                            tl.store(peer_table + e_idx, running_sum, mask=e_idx < E)
+                        tl.debug_barrier()
+                        for dst in tl.static_range(W):
+                            tl.atomic_xchg(peer_ptr(peers_ptr, dst, (C_FLAG + me) * 4, tl.int32), epoch,
+                                           sem="release", scope=SCOPE)
+                    did = 2
+                elif a < 2 * n_lt + 1:
+                    # Send-list tile: each choice at its token-ordered place in its expert's list.
+                    b = a - n_lt - 1
+                    ready = _wait_at_least(ctl + C_PREFIX, 1, wait_bound, "gpu")
+                    if ready < 1:
+                        record_error(err, abort, ERR_LAYOUT, me, a, me, 1, 1, ready)
+                    else:
+                        tl.debug_barrier()
+                        toks = b * BT + tl.arange(0, BT)
+                        tok_ok = toks < n_tokens
+                        ok = tok_ok[:, None] & (kk < TOP_K)[None, :]
+                        ent = toks[:, None] * TOP_K + kk[None, :]
+                        experts = tl.load(topk_e_ptr + ent, mask=ok, other=0)
+                        start = tl.load(ctl + C_HIST + b * E + experts, mask=ok, other=0)
+                        rank = tl.load(ctl + C_TPOS + ent, mask=ok, other=0)
+                        tl.store(ctl + C_SEND_LIST + experts.to(tl.int64) * T_MAX + start + rank, ent, mask=ok)
+                        signal_add(ctl + C_LAYOUT_B, 1, "gpu")
+                    did = 1
+                elif a < n_feed:
+                    # Dispatch chunk: every rank's counts and this rank's send lists first.
+                    lists = _wait_at_least(ctl + C_LAYOUT_B, n_lt, wait_bound, "gpu")
+                    polls = 0
+                    all_in = known
+                    while (all_in == 0) & (polls <= wait_bound):
+                        fl = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
+                        all_in = tl.sum(((fl >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+                        polls += 1
+                    if lists < n_lt:
+                        record_error(err, abort, ERR_LAYOUT, me, a, me, 2, n_lt, lists)
+                    elif all_in == 0:
+                        fl = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
+                        missing = tl.min(tl.where((fl < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
+                        record_error(err, abort, ERR_COUNTS, me, a, missing, 0, epoch, pick(fl, w_idx, missing))
+                    else:
+                        tl.debug_barrier()
+                        d = a - 2 * n_lt - 1
+                        o_el = o_idx // W
+                        o_dst = o_idx % W
+                        n_o = tl.load(ctl + C_TABLE + par * W * E + me * E + o_dst * E_L + o_el,
+                                      mask=o_idx < E, other=0)
+                        cum = tl.cumsum(tl.cdiv(n_o, BR), axis=0)
+                        if d < tl.sum(tl.cdiv(n_o, BR), axis=0):
+                            o, first = locate(cum, o_idx, d)
+                            el = o // W
+                            dst = o % W
+                            e_glob = dst * E_L + el
+                            n_rows_o = pick(n_o, o_idx, o)
+                            pos = (d - first) * BR + tl.arange(0, BR)
+                            row_ok = pos < n_rows_o
+                            ent = tl.load(ctl + C_SEND_LIST + e_glob.to(tl.int64) * T_MAX + pos, mask=row_ok, other=0)
+                            tok = (ent // TOP_K).to(tl.int64)
+                            src2 = w_idx[:, None]
+                            el2 = el_idx[None, :]
+                            dst_tab = tl.load(ctl + C_TABLE + par * W * E + src2 * E + dst * E_L + el2,
+                                              mask=(src2 < W) & (el2 < E_L), other=0)
+                            expert_base = tl.sum(tl.sum(tl.where(el2 < el, dst_tab, 0), axis=1), axis=0)
+                            src_off = tl.sum(tl.sum(tl.where((el2 == el) & (src2 < me), dst_tab, 0), axis=1), axis=0)
+                            slot = (expert_base + src_off + pos).to(tl.int64)
+                            if dst != me:  # local rows are read in place
+                                dst_x = peer_ptr(peers_ptr, dst, B_RECV_X, DT)
+                                dst_g = peer_ptr(peers_ptr, dst, B_RECV_G, DT)
+                                for h0 in tl.range(0, H, BH):
+                                    cols = h0 + tl.arange(0, BH)
+                                    m2 = row_ok[:, None] & (cols < H)[None, :]
+                                    v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=m2)
+                                    tl.store(dst_x + slot[:, None] * H + cols[None, :], v, mask=m2)
+                                    v = tl.load(g_ptr + tok[:, None] * H + cols[None, :], mask=m2)
+                                    tl.store(dst_g + slot[:, None] * H + cols[None, :], v, mask=m2)
+                            dst_ctl = peer_ptr(peers_ptr, dst, 0, tl.int32)
+                            tl.store(dst_ctl + C_RECV_SRC + slot, tl.zeros_like(ent) + me, mask=row_ok)
+                            tl.store(dst_ctl + C_RECV_ENT + slot, ent, mask=row_ok)
+                            tl.store(peer_ptr(peers_ptr, dst, B_RECV_W, tl.float32) + slot,
+                                     tl.load(topk_w_ptr + ent, mask=row_ok, other=0.0), mask=row_ok)
+                            signal_add(dst_ctl + C_ARRIVED + me * E_L + el,
+                                       tl.sum(row_ok.to(tl.int32), axis=0), SCOPE)
+                    did = 3
+
+        # ---- DWGU / DWD: expert weight gradients, each a full reduction over the expert's rows ----
+        if did == 0:
+            q = tl.atomic_add(heads + Q_DWGU, 0, sem="relaxed")
+            kind = 0
+            if q < n_dwgu:
+                kind = 1
+            else:
+                q = tl.atomic_add(heads + Q_DWD, 0, sem="relaxed")
+                if q < n_dwd:
+                    kind = 2
+            if known & (kind > 0):
+                per_e = tl.where(kind == 1, N_WGU_M * N_WGU_N, N_WD_M * N_WD_N)
+                e = q // per_e
+                n_cols_blocks = tl.where(kind == 1, N_WGU_N, N_WD_N)
+                mb = (q % per_e) // n_cols_blocks
+                nb = (q % per_e) % n_cols_blocks
+                n_rows_e = pick(n_el, el_idx, e)
+                need = pick(tiles_el, el_idx, e) * N_IB
+                if tl.atomic_add(ctl + C_DH_EXP + e, 0, sem="acquire", scope="gpu") == need:
+                    head = tl.where(kind == 1, Q_DWGU, Q_DWD)
+                    if tl.atomic_cas(heads + head, q, q + 1, sem="relaxed") == q:
+                        tl.debug_barrier()
+                        row_start = pick(row_start_el, el_idx, e)
+                        mcols = mb * BWM + tl.arange(0, BWM)
+                        ncols = nb * BWN + tl.arange(0, BWN)
+                        rr = tl.arange(0, BKW)
+                        acc = tl.zeros([BWM, BWN], dtype=tl.float32)
+                        if kind == 1:
+                            # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h]
+                            for r0 in range(0, n_rows_e, BKW):
+                                rows = row_start + r0 + rr
+                                row_ok = (r0 + rr) < n_rows_e
+                                xp = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                                at = tl.load(dgu + rows.to(tl.int64)[:, None] * (2 * I) + mcols[None, :],
+                                             mask=row_ok[:, None] & (mcols < 2 * I)[None, :], other=0.0)
+                                b = tl.load(xp[:, None] + ncols[None, :], mask=row_ok[:, None] & (ncols < H)[None, :],
+                                            other=0.0)
+                                acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
+                            out = d_gate_up_ptr + e.to(tl.int64) * 2 * I * H + mcols.to(tl.int64)[:, None] * H + ncols[None, :]
+                            tl.store(out, acc.to(d_gate_up_ptr.dtype.element_ty),
+                                     mask=(mcols < 2 * I)[:, None] & (ncols < H)[None, :])
+                        else:
+                            # dWd[h, i] = sum_rows g[row, h] (w h)[row, i]
+                            for r0 in range(0, n_rows_e, BKW):
+                                rows = row_start + r0 + rr
+                                row_ok = (r0 + rr) < n_rows_e
+                                gp = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                                at = tl.load(gp[:, None] + mcols[None, :], mask=row_ok[:, None] & (mcols < H)[None, :],
+                                             other=0.0)
+                                b = tl.load(hw + rows.to(tl.int64)[:, None] * I + ncols[None, :],
+                                            mask=row_ok[:, None] & (ncols < I)[None, :], other=0.0)
+                                acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
+                            out = d_down_ptr + e.to(tl.int64) * H * I + mcols.to(tl.int64)[:, None] * I + ncols[None, :]
+                            tl.store(out, acc.to(d_down_ptr.dtype.element_ty),
+                                     mask=(mcols < H)[:, None] & (ncols < I)[None, :])
+                        did = 8
+
+        # ---- DWR: the router weight's gradient over this rank's tokens ----
+        if did == 0:
+            q = tl.atomic_add(heads + Q_DWR, 0, sem="relaxed")
+            if q < n_dwr:
+                if tl.atomic_add(ctl + C_RB_DONE, 0, sem="acquire", scope="gpu") == n_lt:
+                    if tl.atomic_cas(heads + Q_DWR, q, q + 1, sem="relaxed") == q:
+                        tl.debug_barrier()
+                        mb = q // N_WGU_N
+                        nb = q % N_WGU_N
+                        mcols = mb * BWM + tl.arange(0, BWM)
+                        ncols = nb * BWN + tl.arange(0, BWN)
+                        rr = tl.arange(0, BKW)
+                        acc = tl.zeros([BWM, BWN], dtype=tl.float32)
+                        for t0 in range(0, n_tokens, BKW):
+                            toks = (t0 + rr).to(tl.int64)
+                            ok = (t0 + rr) < n_tokens
+                            at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],
+                                         mask=ok[:, None] & (mcols < E)[None, :], other=0.0)
+                            b = tl.load(x_ptr + toks[:, None] * H + ncols[None, :],
+                                        mask=ok[:, None] & (ncols < H)[None, :], other=0.0).to(tl.float32)
+                            acc = tl.dot(tl.trans(at), b, acc, input_precision=ROUTER_PRECISION)
+                        tl.store(d_router_ptr + mcols[:, None] * H + ncols[None, :], acc,
+                                 mask=(mcols < E)[:, None] & (ncols < H)[None, :])
+                        did = 9
+
+        # ---- Nothing taken: finished, aborted, or waiting. ----
+        if did == 0:
+            finished = (
+                (tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") >= n_feed)
+                & (tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed") >= n_fold)
+                & (tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed") >= n_lt)
+                & (tl.atomic_add(heads + Q_DWGU, 0, sem="relaxed") >= n_dwgu)
+                & (tl.atomic_add(heads + Q_DWD, 0, sem="relaxed") >= n_dwd)
+                & (tl.atomic_add(heads + Q_DWR, 0, sem="relaxed") >= n_dwr)
+                & known
+                & (tl.atomic_add(heads + Q_DH, 0, sem="relaxed") >= n_dh)
+                & (tl.atomic_add(heads + Q_DX, 0, sem="relaxed") >= n_dx)
+            )
+            if finished:
+                running = 0
+            else:
+                idle += 1
+                if idle > wait_bound:
+                    if known == 0:
+                        missing = tl.min(tl.where((flags < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
+                        record_error(err, abort, ERR_COUNTS, me, -1, missing, 0, epoch, pick(flags, w_idx, missing))
+                    elif tl.atomic_add(heads + Q_DH, 0, sem="relaxed") < n_dh:
+                        g = tl.atomic_add(heads + Q_DH, 0, sem="relaxed")
+                        e, first = locate(cum_dh, el_idx, g)
+                        arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
+                                                sem="acquire", scope=SCOPE)
+                        record_error(err, abort, ERR_ROWS, me, g, -1, e, pick(n_el, el_idx, e),
+                                     tl.sum(tl.where(w_idx < W, arrived, 0), axis=0))
+                    elif tl.atomic_add(heads + Q_DX, 0, sem="relaxed") < n_dx:
+                        record_error(err, abort, ERR_DH_TILE, me, tl.atomic_add(heads + Q_DX, 0, sem="relaxed"),
+                                     -1, 0, N_IB, 0)
+                    elif tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed") < n_lt:
+                        r = tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed")
+                        toks = r * BT + tl.arange(0, BT)
+                        tok_ok = toks < n_tokens
+                        got = tl.atomic_add(ctl + C_DW_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
+                        bad = tl.min(tl.where((got != TOP_K) & tok_ok, toks, n_tokens), axis=0)
+                        record_error(err, abort, ERR_DW, me, r, -1, bad, TOP_K, pick(got, toks, bad))
+                    elif tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed") < n_fold:
+                        f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+                        toks = f * BTF + tl.arange(0, BTF)
+                        tok_ok = toks < n_tokens
+                        got = tl.atomic_add(ctl + C_COMB_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
+                        bad = tl.min(tl.where((got != EXPECT_PER_TOKEN) & tok_ok, toks, n_tokens), axis=0)
+                        record_error(err, abort, ERR_COMBINE, me, f, -1, bad, EXPECT_PER_TOKEN, pick(got, toks, bad))
+                    else:
+                        record_error(err, abort, ERR_DH_EXPERT, me, -1, -1, 0, 0, 0)
+        else:
+            idle = 0
+        if PROFILE:
+            tl.atomic_add(profile_ptr + did, now() - t_pass, sem="relaxed")
+            tl.atomic_add(profile_ptr + 16 + did, 1, sem="relaxed")
+        if tl.atomic_add(abort, 0, sem="relaxed") != 0:
+            running = 0
+
+    # ---- Leave; the last worker out resets the counters for the next call. ----
+    tl.debug_barrier()
+    if tl.atomic_add(ctl + C_EXIT, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        if tl.atomic_add(abort, 0, sem="relaxed") == 0:
+            RESET: tl.constexpr = 1024
+            for w0 in tl.range(C_ARRIVED, C_HIST, RESET):  # arrivals, tile and expert counters, combine
+                idx = w0 + tl.arange(0, RESET)
+                tl.store(ctl + idx, tl.zeros([RESET], tl.int32), mask=idx < C_HIST)
+            heads_idx = tl.arange(0, 8)
+            tl.store(ctl + C_HEADS + heads_idx, tl.zeros([8], tl.int32))
+            tl.store(ctl + C_LAYOUT_A + tl.arange(0, 4), tl.zeros([4], tl.int32))
+            tl.store(ctl + C_EXIT, 0)
+            tl.debug_barrier()
+            tl.store(ctl + C_EPOCH, epoch)
