@@ -1,0 +1,189 @@
+"""Forward + backward of the whole expert layer on one GPU: the fused kernels against the reference.
+
+Same cases and ceilings as ``layer_forward.py``, in the same run. Per case: the time of one
+forward+backward of each backend, their ratio, the fused path's fraction of the roofline
+``max(3 x forward FLOPs / dense rate, 3 x expert-weight bytes / copy bandwidth)`` (weights are
+read in the forward, read again in the backward and their gradients written), the peak memory
+of a training step of each backend above the weights, and the bytes autograd saves per token.
+
+    python benchmarks/layer_backward.py --out results.json
+    python benchmarks/layer_backward.py --cases dsv3_rank --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+from torch import nn
+
+from layer_forward import CASES, TOKENS, ceilings, log, timed, work
+
+from kosmos_moe import ExpertLayer
+from kosmos_moe.fabric import EmulatedWorld
+
+
+def saved_bytes(step) -> int:
+    """Bytes of the tensors autograd saves during ``step()``, parameters and duplicates excluded."""
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        if not isinstance(t, nn.Parameter):
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+            if key not in seen:
+                seen.add(key)
+                total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step()
+    return total
+
+
+def rank_layers(full: ExpertLayer, world: EmulatedWorld, max_tokens: int, profile: bool) -> list[ExpertLayer]:
+    """Trainable emulated ranks; expert weights are views of the full layer's, the router is shared."""
+    shape = dataclasses.asdict(full.config)
+    positional = [shape.pop(k) for k in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k")]
+    layers = []
+    for r in range(world.world_size):
+        with torch.device("meta"):
+            layer = ExpertLayer(*positional, **shape, backend="kosmos", fabric=world.rank(r),
+                                max_tokens_per_rank=max_tokens, dtype=torch.bfloat16,
+                                fused_options={"profile": profile, "backward": True})
+        first, last = layer.local_expert_range
+        layer.gate = full.gate
+        layer.shared_experts = full.shared_experts
+        layer.experts.gate_up_proj = nn.Parameter(full.experts.gate_up_proj.detach()[first:last])
+        layer.experts.down_proj = nn.Parameter(full.experts.down_proj.detach()[first:last])
+        layer.tokens_per_expert = torch.zeros_like(full.tokens_per_expert)
+        layer.load_since_bias_update = torch.zeros_like(full.load_since_bias_update)
+        layers.append(layer)
+    return layers
+
+
+def peak_above(step) -> float:
+    """Peak bytes allocated during ``step()`` above what was allocated before it."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def run_case(name: str, ceil: dict, profile: bool) -> dict:
+    preset, experts, ranks = CASES[name]
+    log(f"[{name}] building {preset} with {experts} experts, {ranks} rank(s) x {TOKENS} tokens")
+    torch.manual_seed(0)
+    full = getattr(ExpertLayer, preset)(num_experts=experts, dtype=torch.bfloat16, device="cuda")
+    if full.gate.e_score_correction_bias is not None:
+        full.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
+    hidden = full.config.hidden_size
+    xs = [torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16).requires_grad_() for _ in range(ranks)]
+    gs = [torch.randn(TOKENS, hidden, device="cuda", dtype=torch.bfloat16) * 1e-2 for _ in range(ranks)]
+    x_all = torch.cat([x.detach() for x in xs]).requires_grad_()
+    g_all = torch.cat(gs)
+    params = list(full.parameters())
+
+    def clear(*tensors):
+        for t in (*params, *tensors):
+            t.grad = None
+
+    def ref_step():
+        clear(x_all)
+        torch.autograd.backward(full(x_all), g_all)
+
+    t_ref = timed(ref_step, warmup=2, iters=6)
+    ref_peak = peak_above(ref_step)
+    ref_saved = saved_bytes(lambda: full(x_all))
+    ref_grads = (x_all.grad.float(), full.experts.gate_up_proj.grad.float(), full.experts.down_proj.grad.float(),
+                 full.gate.weight.grad.float())
+    log(f"[{name}] reference fwd+bwd {t_ref * 1e3:.3f} ms, peak {ref_peak / 2**30:.2f} GiB above the weights")
+
+    world = EmulatedWorld(ranks, "cuda")
+    layers = rank_layers(full, world, TOKENS, profile=False)
+
+    def fused_step():
+        clear(*xs, *(p for layer in layers for p in layer.experts.parameters()))
+        world.run(lambda r, x, g: torch.autograd.backward(layers[r](x), g), xs, gs)
+
+    t0 = time.time()
+    for layer in layers:
+        layer.fused().prepare(torch.bfloat16)
+    fused_step()
+    torch.cuda.synchronize()
+    for layer in layers:
+        layer.fused().raise_if_failed()
+    log(f"[{name}] fused first step (compile + run) {time.time() - t0:.1f} s")
+    t_fused = timed(fused_step, warmup=1, iters=6)
+    fused_peak = peak_above(fused_step)
+    fused_saved = sum(saved_bytes(lambda r=r: layers[r](xs[r])) for r in range(ranks))
+    err = {
+        "dx": (torch.cat([x.grad for x in xs]).float() - ref_grads[0]).abs().max().item(),
+        "d_gate_up": (torch.cat([layer.experts.gate_up_proj.grad for layer in layers]).float() - ref_grads[1]).abs().max().item(),
+        "d_down": (torch.cat([layer.experts.down_proj.grad for layer in layers]).float() - ref_grads[2]).abs().max().item(),
+        "d_router": (full.gate.weight.grad.float() - ref_grads[3]).abs().max().item(),
+    }
+    workspace = sum(layer.fused().layout.nbytes + layer.fused().backward.layout.nbytes for layer in layers)
+
+    w = work(full.config, TOKENS * ranks, experts)
+    roof = max(3 * w["flops"] / (ceil["dense_tflops"] * 1e12), 3 * w["weight_bytes"] / (ceil["copy_gbps"] * 1e9))
+    result = {
+        "case": name, "tokens_per_rank": TOKENS, "ranks": ranks, "experts": experts, **w,
+        "reference_ms": t_ref * 1e3, "fused_ms": t_fused * 1e3, "speedup_vs_reference": t_ref / t_fused,
+        "roofline_ms": roof * 1e3, "roofline_fraction": roof / t_fused,
+        "reference_peak_gib": ref_peak / 2**30, "fused_peak_gib": fused_peak / 2**30,
+        "fused_workspace_gib": workspace / 2**30,
+        "reference_saved_bytes_per_token": ref_saved / (TOKENS * ranks),
+        "fused_saved_bytes_per_token": fused_saved / (TOKENS * ranks),
+        "max_abs_diff_vs_reference": err,
+    }
+    log(f"[{name}] fused fwd+bwd {t_fused * 1e3:.3f} ms, x{t_ref / t_fused:.2f} vs reference, "
+        f"{100 * roof / t_fused:.0f}% of roofline; peak {fused_peak / 2**30:.2f} GiB (workspaces "
+        f"{workspace / 2**30:.2f} GiB, allocated once) vs {ref_peak / 2**30:.2f}; saved per token "
+        f"{fused_saved / (TOKENS * ranks):.0f} B vs {ref_saved / (TOKENS * ranks):.0f} B; max diff {err}")
+    if profile:
+        for layer in layers:
+            layer.fused().profile = torch.zeros(32, dtype=torch.int64, device="cuda")
+            layer.fused().backward.profile = torch.zeros(32, dtype=torch.int64, device="cuda")
+        fused_step()
+        torch.cuda.synchronize()
+        for key, launch in (("forward", lambda l: l.fused()), ("backward", lambda l: l.fused().backward)):
+            reports = [launch(layer).profile_report() for layer in layers]
+            workers = launch(layers[0]).workers
+            busy = {k: sum(rep[k]["seconds"] for rep in reports) / (workers * ranks) * 1e3 for k in reports[0]}
+            result[f"{key}_per_worker_busy_ms"] = busy
+            log(f"[{name}] {key} busy ms per worker: " + ", ".join(f"{k} {v:.3f}" for k, v in busy.items()))
+    del layers, world, full
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--profile", action="store_true", help="also run a profiled step (per-task busy time)")
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    ceil = ceilings()
+    log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
+    results = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "cases": []}
+    for name in args.cases:
+        results["cases"].append(run_case(name, ceil, args.profile))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(results, f, indent=1)
+    print(f"{'case':16} {'ref ms':>8} {'fused ms':>9} {'speedup':>8} {'roofline':>9} {'ref GiB':>8} {'fused GiB':>9} "
+          f"{'ref B/tok':>10} {'fused B/tok':>11}")
+    for r in results["cases"]:
+        print(f"{r['case']:16} {r['reference_ms']:8.2f} {r['fused_ms']:9.2f} {r['speedup_vs_reference']:8.2f} "
+              f"{100 * r['roofline_fraction']:8.0f}% {r['reference_peak_gib']:8.2f} {r['fused_peak_gib']:9.2f} "
+              f"{r['reference_saved_bytes_per_token']:10.0f} {r['fused_saved_bytes_per_token']:11.0f}")
+
+
+if __name__ == "__main__":
+    main()

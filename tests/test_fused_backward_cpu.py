@@ -1,0 +1,248 @@
+"""The fused backward under Triton's interpreter, in emulated worlds of CPU processes, fp32.
+
+Same worlds, cases and tokens as tests/test_fused_cpu.py (whose builders this file reuses, so
+that the routing of every token is one the forward tests already check). Each rank runs
+``loss = sum(out_r * g_r)`` backward through its fused layer; the reference is one rank of
+``backend="reference"`` holding all experts:
+
+* on the concatenation of every rank's tokens and cotangents: the outputs, ``x.grad`` (this
+  rank's rows) and the expert gradients (this rank's slice of experts), because a rank's
+  experts see rows from every rank;
+* on this rank's tokens only: the router and shared-expert gradients, which are replicated
+  parameters: each rank's ``.grad`` holds the gradient of its own tokens (the layer does not
+  all-reduce them), and their sum over the ranks is the full reference's gradient.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from multiprocess import run_world
+from test_fused_cpu import CASES, INTERPRET, build, tokens
+
+# fp32 on both sides; the kernel sums in other orders and tiles (rows in tiles of 16, the
+# weight gradients as per-tile partial sums, the SwiGLU activations recomputed). Every
+# gradient here is a chain of fp32 dot products of at most a few hundred terms (the longest:
+# an expert's weight gradient, summed over the <= W*40 rows routed to it). A sum of n terms of
+# random sign rounds to about sqrt(n) * 2**-24 of its largest partial sum, i.e. ~1e-6 of the
+# largest entry of the result for n ~ 160; a few such stages chain. atol = 2e-5 of the largest
+# entry of the expected gradient (per expert for the expert weights) leaves a margin of ~5x
+# over that while any indexing or accumulation bug (a missing row, a wrong expert, a race)
+# shows up at O(1) of the scale. rtol 1e-4 covers the larger entries the same way. An
+# expected gradient that is exactly zero (an expert that no row reached, a rank without
+# tokens) must come out exactly zero: nothing is accumulated there.
+GRAD_RTOL, GRAD_ATOL = 1e-4, 2e-5
+# The outputs: the forward file's tolerance (one GEMM chain, no long sums).
+OUT_RTOL, OUT_ATOL = 1e-5, 1e-5
+
+ROUTER_AND_SHARED = ("gate.weight", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
+                     "shared_experts.down_proj.weight")
+EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def cotangents(counts, hidden, seed):
+    """One dL/d(out) per rank; the same on every rank (seeded by rank), apart from the tokens'."""
+    return [torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed * 100 + 50 + r))
+            for r, n in enumerate(counts)]
+
+
+def reference_pass(layer, xs, gs):
+    """Output, x.grad and parameter grads of the reference ``layer`` on cat(xs), loss sum(out * cat(gs))."""
+    layer.zero_grad(set_to_none=True)
+    x = torch.cat(xs).requires_grad_(True)
+    out = layer(x)
+    out.backward(torch.cat(gs))
+    grads = {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+             for name, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    return out.detach(), x.grad, grads
+
+
+def add_grads(a, b):
+    return {name: a[name] + b[name] for name in a}
+
+
+def assert_grad_close(actual, expected, what):
+    assert actual is not None, f"{what}: no gradient"
+    assert actual.shape == expected.shape, f"{what}: gradient of shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=GRAD_RTOL, atol=GRAD_ATOL * scale,
+                               msg=lambda m: f"{what} (scale {scale:.3g}): {m}")
+
+
+def check_param_grads(rank, world, fused, full_grads, own_grads, what):
+    """Compare every parameter's .grad of the fused layer with the references.
+
+    ``full_grads``: reference grads on all ranks' tokens; ``own_grads``: on this rank's only.
+    """
+    names = {name for name, _ in fused.named_parameters()}
+    assert "gate.e_score_correction_bias" not in names  # a buffer: moved by the balancer, not by SGD
+    bias = fused.gate.e_score_correction_bias
+    if bias is not None:
+        assert bias.grad is None and not bias.requires_grad, f"{what}: the correction bias got a gradient"
+    params = dict(fused.named_parameters())
+    first, last = fused.local_expert_range
+    for name in EXPERTS:
+        grad = params[name].grad
+        assert grad is not None, f"{what} rank {rank}: {name} has no gradient"
+        assert grad.shape == params[name].shape
+        expected = full_grads[name][first:last]
+        for e in range(last - first):  # each expert on its own scale: a starved expert is checked too
+            assert_grad_close(grad[e], expected[e], f"{what} rank {rank}: {name}[local expert {e}]")
+    for name in ROUTER_AND_SHARED:
+        if name not in params:
+            continue
+        grad = params[name].grad
+        assert grad is not None, f"{what} rank {rank}: {name} has no gradient"
+        assert_grad_close(grad, own_grads[name], f"{what} rank {rank}: {name} (this rank's tokens)")
+        total = grad.clone()
+        dist.all_reduce(total)
+        assert_grad_close(total, full_grads[name], f"{what} rank {rank}: {name} summed over the ranks")
+    assert names <= set(EXPERTS) | set(ROUTER_AND_SHARED), names
+
+
+def fused_pass(layer, x, g):
+    """Forward in grad mode and backward of sum(out * g); returns the output and x.grad."""
+    x = x.clone().requires_grad_(True)
+    out = layer(x)
+    assert out.requires_grad and out.grad_fn is not None, "a grad-mode forward must return a differentiable output"
+    out.backward(g)
+    assert x.grad is not None and x.grad.shape == x.shape
+    return out.detach(), x.grad
+
+
+def starts(counts):
+    return [sum(counts[:r]) for r in range(len(counts))]
+
+
+def check_case(rank, world, case, skew):
+    spec = CASES[case]
+    counts = spec["counts"][:world]
+    hidden = spec["shape"]["hidden_size"]
+    full, fused = build(rank, world, case, skew, max_tokens=max(counts) + 3)
+    what = f"{case}/{skew} world {world}"
+    xs = tokens(rank, counts, hidden, seed=1, positive=skew != "none")
+    gs = cotangents(counts, hidden, seed=1)
+    start, n = starts(counts)[rank], counts[rank]
+
+    out, x_grad = fused_pass(fused, xs[rank], gs[rank])
+
+    ref_out, ref_x_grad, full_grads = reference_pass(full, xs, gs)
+    _, _, own_grads = reference_pass(full, [xs[rank]], [gs[rank]])
+    atol = OUT_ATOL * max(1.0, ref_out.abs().max().item())
+    torch.testing.assert_close(out, ref_out[start:start + n], rtol=OUT_RTOL, atol=atol,
+                               msg=lambda m: f"{what} rank {rank} output: {m}")
+    assert_grad_close(x_grad, ref_x_grad[start:start + n], f"{what} rank {rank}: x.grad")
+    check_param_grads(rank, world, fused, full_grads, own_grads, what)
+    if skew == "one_rank" and rank < world - 1:  # no row reached this rank's experts
+        assert not fused.experts.gate_up_proj.grad.any() and not fused.experts.down_proj.grad.any()
+
+    # A no-grad forward computes the same function (the grad-mode one may keep more state, so
+    # compare at the forward's tolerance) and leaves the accumulated gradients alone.
+    grads_before = {name: p.grad.clone() for name, p in fused.named_parameters()}
+    with torch.no_grad():
+        out_no_grad = fused(xs[rank])
+    assert out_no_grad.grad_fn is None and not out_no_grad.requires_grad
+    torch.testing.assert_close(out_no_grad, out, rtol=OUT_RTOL, atol=atol,
+                               msg=lambda m: f"{what} rank {rank} no-grad output: {m}")
+    for name, p in fused.named_parameters():
+        assert torch.equal(p.grad, grads_before[name]), f"{what}: a no-grad forward changed {name}.grad"
+
+
+def check_cases(rank, world, items):
+    for case, skew in items:
+        check_case(rank, world, case, skew)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_backward_matches_reference(world):
+    """Both routers, with and without shared experts; uneven token counts, a rank with none."""
+    run_world(world, check_cases, [(case, "none") for case in CASES], env=INTERPRET)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_backward_skewed_routing(world):
+    """Every token's first choice one expert; every choice on the last rank's experts."""
+    items = {
+        2: [("softmax", "one_expert"), ("sigmoid_group_shared", "one_rank"), ("softmax_shared", "one_rank")],
+        4: [("sigmoid_group", "one_rank")],
+    }[world]
+    run_world(world, check_cases, items, env=INTERPRET)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training patterns: several calls before or between backwards.
+
+def check_pattern(rank, world, case, pattern):
+    """Two batches through one layer; ``.grad`` must end as the sum of both batches' reference grads.
+
+    ``accumulate``: forward, backward, forward, backward. ``interleaved``: both forwards, then
+    the first's backward, then the second's; ``interleaved_reversed``: the second's first.
+    The second batch has the counts reversed (a different rank is empty) and other tokens.
+    """
+    spec = CASES[case]
+    hidden = spec["shape"]["hidden_size"]
+    counts = [spec["counts"][:world], spec["counts"][:world][::-1]]
+    full, fused = build(rank, world, case, "none", max_tokens=max(counts[0]) + 3)
+    what = f"{case} world {world} {pattern}"
+    batches = [(tokens(rank, c, hidden, seed=b + 1, positive=False), cotangents(c, hidden, seed=b + 1))
+               for b, c in enumerate(counts)]
+    xs = [x[rank].clone().requires_grad_(True) for x, _ in batches]
+    gs = [g[rank] for _, g in batches]
+
+    if pattern == "accumulate":
+        outs = []
+        for x, g in zip(xs, gs):
+            outs.append(fused(x))
+            (outs[-1] * g).sum().backward()
+    else:
+        outs = [fused(x) for x in xs]
+        order = [0, 1] if pattern == "interleaved" else [1, 0]
+        for b in order:
+            assert outs[b].grad_fn is not None
+            (outs[b] * gs[b]).sum().backward()
+
+    full_grads, own_grads = None, None
+    for b, (all_x, all_g) in enumerate(batches):
+        ref_out, ref_x_grad, full_b = reference_pass(full, all_x, all_g)
+        _, _, own_b = reference_pass(full, [all_x[rank]], [all_g[rank]])
+        full_grads = full_b if full_grads is None else add_grads(full_grads, full_b)
+        own_grads = own_b if own_grads is None else add_grads(own_grads, own_b)
+        start, n = starts(counts[b])[rank], counts[b][rank]
+        atol = OUT_ATOL * max(1.0, ref_out.abs().max().item())
+        torch.testing.assert_close(outs[b].detach(), ref_out[start:start + n], rtol=OUT_RTOL, atol=atol,
+                                   msg=lambda m: f"{what} rank {rank} batch {b} output: {m}")
+        assert_grad_close(xs[b].grad, ref_x_grad[start:start + n], f"{what} rank {rank} batch {b}: x.grad")
+    check_param_grads(rank, world, fused, full_grads, own_grads, what)
+
+
+def check_input_without_grad(rank, world, case):
+    """Parameters only (a first layer whose input needs no gradient); input with leading dims [1, T, H]."""
+    spec = CASES[case]
+    hidden = spec["shape"]["hidden_size"]
+    counts = spec["counts"][:world]
+    full, fused = build(rank, world, case, "none", max_tokens=max(counts) + 3)
+    xs = tokens(rank, counts, hidden, seed=3, positive=False)
+    gs = cotangents(counts, hidden, seed=3)
+    out = fused(xs[rank].unsqueeze(0))
+    assert out.shape == (1, counts[rank], hidden) and out.grad_fn is not None
+    out.backward(gs[rank].unsqueeze(0))
+    _, _, full_grads = reference_pass(full, xs, gs)
+    _, _, own_grads = reference_pass(full, [xs[rank]], [gs[rank]])
+    check_param_grads(rank, world, fused, full_grads, own_grads, f"{case} world {world} input without grad")
+
+
+def check_patterns(rank, world, case, patterns):
+    for pattern in patterns:
+        if pattern == "input_without_grad":
+            check_input_without_grad(rank, world, case)
+        else:
+            check_pattern(rank, world, case, pattern)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_accumulation_and_interleaved_backwards(world):
+    """sigmoid_group routing with a shared expert and a correction bias; at world 2 rank 1 has no
+    tokens in the first batch and rank 0 none in the second."""
+    patterns = ["accumulate", "interleaved", "interleaved_reversed", "input_without_grad"]
+    run_world(world, check_patterns, "sigmoid_group_shared", patterns, env=INTERPRET)
