@@ -276,7 +276,7 @@ def expert_backward_kernel(
                         t64 = toks.to(tl.int64)
                         tl.store(dlogits + t64[:, None] * E + e_idx[None, :], d_logits,
                                  mask=tok_ok[:, None] & (e_idx < E)[None, :])
-                        for h0 in tl.range(0, H, BHR):
+                        for h0 in tl.range(0, H, BHR, num_stages=1):  # fp32 [E, BHR] operand: one stage
                             cols = h0 + tl.arange(0, BHR)
                             wr = tl.load(router_w_ptr + e_idx[:, None] * H + cols[None, :],
                                          mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
@@ -524,7 +524,7 @@ def expert_backward_kernel(
                         ncols = nb * BWN + tl.arange(0, BWN)
                         rr = tl.arange(0, BKW)
                         acc = tl.zeros([BWM, BWN], dtype=tl.float32)
-                        for t0 in range(0, n_tokens, BKW):
+                        for t0 in tl.range(0, n_tokens, BKW, num_stages=1):  # fp32 operands: one stage
                             toks = (t0 + rr).to(tl.int64)
                             ok = (t0 + rr) < n_tokens
                             at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],

@@ -128,7 +128,7 @@ def forward_layout(
 class BackwardTiles:
     """Tile sizes of the fused backward."""
 
-    route_tokens: int = 64       # BT: tokens per layout and route-backward tile
+    route_tokens: int = 32       # BT: tokens per layout and route-backward tile (fp32 [BT, E] tiles: 32 keeps shared memory near 100 KB)
     route_depth: int = 32        # BK of the fp32 router GEMM
     route_cols: int = 64         # BHR: columns per step of d logits @ Wr
     dispatch_rows: int = 32      # BR
