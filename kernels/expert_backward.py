@@ -123,7 +123,7 @@ def expert_backward_kernel(
     BWN: tl.constexpr, BHR: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
 ):
     DT = x_ptr.dtype.element_ty
     ES: tl.constexpr = DT.primitive_bitwidth // 8
@@ -187,152 +187,156 @@ def expert_backward_kernel(
         n_dx = tl.sum(tiles_el * N_HB, axis=0)
 
         # ---- FOLD ----
-        f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
-        if f < n_fold:
-            toks = f * BTF + tl.arange(0, BTF)
-            tok_ok = toks < n_tokens
-            got = tl.atomic_add(ctl + C_COMB_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
-            if tl.sum(((got != EXPECT_PER_TOKEN) & tok_ok).to(tl.int32), axis=0) == 0:
-                if tl.atomic_cas(heads + Q_FOLD, f, f + 1, sem="relaxed") == f:
-                    tl.debug_barrier()
-                    t64 = toks.to(tl.int64)
-                    for h0 in tl.range(0, H, BHF):
-                        cols = h0 + tl.arange(0, BHF)
-                        m2 = tok_ok[:, None] & (cols < H)[None, :]
-                        acc = tl.zeros([BTF, BHF], dtype=tl.float32)
-                        for s in tl.static_range(SLOTS):
-                            acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
-                                           mask=m2, other=0.0).to(tl.float32)
-                        tl.store(dx_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
-                    did = 7
+        if MODE == 0:
+            f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+            if f < n_fold:
+                toks = f * BTF + tl.arange(0, BTF)
+                tok_ok = toks < n_tokens
+                got = tl.atomic_add(ctl + C_COMB_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
+                if tl.sum(((got != EXPECT_PER_TOKEN) & tok_ok).to(tl.int32), axis=0) == 0:
+                    if tl.atomic_cas(heads + Q_FOLD, f, f + 1, sem="relaxed") == f:
+                        tl.debug_barrier()
+                        t64 = toks.to(tl.int64)
+                        for h0 in tl.range(0, H, BHF):
+                            cols = h0 + tl.arange(0, BHF)
+                            m2 = tok_ok[:, None] & (cols < H)[None, :]
+                            acc = tl.zeros([BTF, BHF], dtype=tl.float32)
+                            for s in tl.static_range(SLOTS):
+                                acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
+                                               mask=m2, other=0.0).to(tl.float32)
+                            tl.store(dx_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
+                        did = 7
 
         # ---- DX ----
-        if did == 0:
-            q = tl.atomic_add(heads + Q_DX, 0, sem="relaxed")
-            if known & (q < n_dx):
-                e, first = locate(cum_dx, el_idx, q)
-                n_tiles_e = pick(tiles_el, el_idx, e)
-                local = q - first
-                hb = local // n_tiles_e
-                m = local % n_tiles_e
-                tile = pick(tile_start_el, el_idx, e) + m
-                if tl.atomic_add(ctl + C_DH_DONE + tile, 0, sem="acquire", scope="gpu") == N_IB:
-                    if tl.atomic_cas(heads + Q_DX, q, q + 1, sem="relaxed") == q:
-                        tl.debug_barrier()
-                        row0 = pick(row_start_el, el_idx, e) + m * BM
-                        n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
-                        acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
-                                                     w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
-                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, STAGES)
-                        rows = row0 + tl.arange(0, BM)
-                        row_ok = tl.arange(0, BM) < n_rows
-                        src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
-                        ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-                        tok = ent // TOP_K
-                        slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-                        base = tl.load(peers_ptr + src, mask=row_ok, other=0)
-                        cols = hb * BN_DX + tl.arange(0, BN_DX)
-                        dst = (base + B_COMB + slot * H * ES)[:, None] + cols[None, :].to(tl.int64) * ES
-                        tl.store(dst.to(tl.pointer_type(DT)), acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
-                        if hb == 0:
-                            ib = tl.arange(0, 16)
-                            dw = tl.zeros([BM], dtype=tl.float32)
-                            for i0 in tl.static_range(0, N_IB, 16):  # fixed order: deterministic
-                                part = tl.load(dw_part + rows.to(tl.int64)[:, None] * N_IB + (i0 + ib)[None, :],
-                                               mask=row_ok[:, None] & ((i0 + ib) < N_IB)[None, :], other=0.0)
-                                dw += tl.sum(part, axis=1)
-                            dw_dst = (base + B_DW_COMB + ent.to(tl.int64) * 4).to(tl.pointer_type(tl.float32))
-                            tl.store(dw_dst, dw, mask=row_ok)
-                        tl.debug_barrier()
-                        arrive = (base + (C_COMB_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
-                        tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-                        if hb == 0:
-                            dw_arrive = (base + (C_DW_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
-                            tl.atomic_add(dw_arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-                        did = 5
+        if MODE == 0:
+            if did == 0:
+                q = tl.atomic_add(heads + Q_DX, 0, sem="relaxed")
+                if known & (q < n_dx):
+                    e, first = locate(cum_dx, el_idx, q)
+                    n_tiles_e = pick(tiles_el, el_idx, e)
+                    local = q - first
+                    hb = local // n_tiles_e
+                    m = local % n_tiles_e
+                    tile = pick(tile_start_el, el_idx, e) + m
+                    if tl.atomic_add(ctl + C_DH_DONE + tile, 0, sem="acquire", scope="gpu") == N_IB:
+                        if tl.atomic_cas(heads + Q_DX, q, q + 1, sem="relaxed") == q:
+                            tl.debug_barrier()
+                            row0 = pick(row_start_el, el_idx, e) + m * BM
+                            n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
+                            acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
+                                                         w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
+                                                         2 * I, H, BM, BN_DX, BK, DOT_DTYPE, STAGES)
+                            rows = row0 + tl.arange(0, BM)
+                            row_ok = tl.arange(0, BM) < n_rows
+                            src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+                            ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+                            tok = ent // TOP_K
+                            slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
+                            base = tl.load(peers_ptr + src, mask=row_ok, other=0)
+                            cols = hb * BN_DX + tl.arange(0, BN_DX)
+                            dst = (base + B_COMB + slot * H * ES)[:, None] + cols[None, :].to(tl.int64) * ES
+                            tl.store(dst.to(tl.pointer_type(DT)), acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
+                            if hb == 0:
+                                ib = tl.arange(0, 16)
+                                dw = tl.zeros([BM], dtype=tl.float32)
+                                for i0 in tl.static_range(0, N_IB, 16):  # fixed order: deterministic
+                                    part = tl.load(dw_part + rows.to(tl.int64)[:, None] * N_IB + (i0 + ib)[None, :],
+                                                   mask=row_ok[:, None] & ((i0 + ib) < N_IB)[None, :], other=0.0)
+                                    dw += tl.sum(part, axis=1)
+                                dw_dst = (base + B_DW_COMB + ent.to(tl.int64) * 4).to(tl.pointer_type(tl.float32))
+                                tl.store(dw_dst, dw, mask=row_ok)
+                            tl.debug_barrier()
+                            arrive = (base + (C_COMB_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+                            tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                            if hb == 0:
+                                dw_arrive = (base + (C_DW_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+                                tl.atomic_add(dw_arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                            did = 5
 
         # ---- RBWD ----
-        if did == 0:
-            r = tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed")
-            if r < n_lt:
-                toks = r * BT + tl.arange(0, BT)
-                tok_ok = toks < n_tokens
-                got = tl.atomic_add(ctl + C_DW_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
-                if tl.sum(((got != TOP_K) & tok_ok).to(tl.int32), axis=0) == 0:
-                    if tl.atomic_cas(heads + Q_RBWD, r, r + 1, sem="relaxed") == r:
-                        tl.debug_barrier()
-                        t0 = r * BT
-                        n_rows = tl.minimum(n_tokens - t0, BT)
-                        logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
-                                               H, E, BT, E_PAD, BK_R, ROUTER_PRECISION)
-                        ok = tok_ok[:, None] & (kk < TOP_K)[None, :]
-                        ent = toks[:, None] * TOP_K + kk[None, :]
-                        experts = tl.load(topk_e_ptr + ent, mask=ok, other=0)
-                        weights = tl.load(topk_w_ptr + ent, mask=ok, other=0.0)
-                        d_w = tl.load(dw_comb + ent, mask=ok, other=0.0)
-                        d_logits = routing_backward(logits, experts, weights, d_w, scale, E, E_PAD, TOP_K, K_PAD,
-                                                    SIGMOID_GROUP, NORM_TOPK)
-                        d_logits = tl.where(tok_ok[:, None], d_logits, 0.0)
-                        t64 = toks.to(tl.int64)
-                        tl.store(dlogits + t64[:, None] * E + e_idx[None, :], d_logits,
-                                 mask=tok_ok[:, None] & (e_idx < E)[None, :])
-                        for h0 in tl.range(0, H, BHR, num_stages=1):  # fp32 [E, BHR] operand: one stage
-                            cols = h0 + tl.arange(0, BHR)
-                            wr = tl.load(router_w_ptr + e_idx[:, None] * H + cols[None, :],
-                                         mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
-                            part = tl.dot(d_logits, wr, input_precision=ROUTER_PRECISION)
-                            tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
-                                     mask=tok_ok[:, None] & (cols < H)[None, :])
-                        tl.debug_barrier()
-                        tl.atomic_add(ctl + C_COMB_ARR + toks, 1, mask=tok_ok, sem="release", scope=SCOPE)
-                        signal_add(ctl + C_RB_DONE, 1, "gpu")
-                        did = 6
+        if MODE == 0:
+            if did == 0:
+                r = tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed")
+                if r < n_lt:
+                    toks = r * BT + tl.arange(0, BT)
+                    tok_ok = toks < n_tokens
+                    got = tl.atomic_add(ctl + C_DW_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
+                    if tl.sum(((got != TOP_K) & tok_ok).to(tl.int32), axis=0) == 0:
+                        if tl.atomic_cas(heads + Q_RBWD, r, r + 1, sem="relaxed") == r:
+                            tl.debug_barrier()
+                            t0 = r * BT
+                            n_rows = tl.minimum(n_tokens - t0, BT)
+                            logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
+                                                   H, E, BT, E_PAD, BK_R, ROUTER_PRECISION)
+                            ok = tok_ok[:, None] & (kk < TOP_K)[None, :]
+                            ent = toks[:, None] * TOP_K + kk[None, :]
+                            experts = tl.load(topk_e_ptr + ent, mask=ok, other=0)
+                            weights = tl.load(topk_w_ptr + ent, mask=ok, other=0.0)
+                            d_w = tl.load(dw_comb + ent, mask=ok, other=0.0)
+                            d_logits = routing_backward(logits, experts, weights, d_w, scale, E, E_PAD, TOP_K, K_PAD,
+                                                        SIGMOID_GROUP, NORM_TOPK)
+                            d_logits = tl.where(tok_ok[:, None], d_logits, 0.0)
+                            t64 = toks.to(tl.int64)
+                            tl.store(dlogits + t64[:, None] * E + e_idx[None, :], d_logits,
+                                     mask=tok_ok[:, None] & (e_idx < E)[None, :])
+                            for h0 in tl.range(0, H, BHR, num_stages=1):  # fp32 [E, BHR] operand: one stage
+                                cols = h0 + tl.arange(0, BHR)
+                                wr = tl.load(router_w_ptr + e_idx[:, None] * H + cols[None, :],
+                                             mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
+                                part = tl.dot(d_logits, wr, input_precision=ROUTER_PRECISION)
+                                tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
+                                         mask=tok_ok[:, None] & (cols < H)[None, :])
+                            tl.debug_barrier()
+                            tl.atomic_add(ctl + C_COMB_ARR + toks, 1, mask=tok_ok, sem="release", scope=SCOPE)
+                            signal_add(ctl + C_RB_DONE, 1, "gpu")
+                            did = 6
 
         # ---- DH ----
-        if did == 0:
-            q = tl.atomic_add(heads + Q_DH, 0, sem="relaxed")
-            if known & (q < n_dh):
-                e, first = locate(cum_dh, el_idx, q)
-                n_rows_e = pick(n_el, el_idx, e)
-                arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
-                                        sem="acquire", scope=SCOPE)
-                if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
-                    if tl.atomic_cas(heads + Q_DH, q, q + 1, sem="relaxed") == q:
-                        tl.debug_barrier()
-                        n_tiles_e = pick(tiles_el, el_idx, e)
-                        local = q - first
-                        ib = local // n_tiles_e
-                        m = local % n_tiles_e
-                        row0 = pick(row_start_el, el_idx, e) + m * BM
-                        n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                        rows = row0 + tl.arange(0, BM)
-                        row_ok = tl.arange(0, BM) < n_rows
-                        x_rows = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
-                        g_rows = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
-                        w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-                        dh1, a, u = swiglu_backward_tile(x_rows, g_rows, n_rows, w_e, w_e + I * H,
-                                                         w_down_ptr + e.to(tl.int64) * H * I, ib * BN_DH,
-                                                         H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
-                        wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
-                        sig = tl.sigmoid(a)
-                        silu = a * sig
-                        h = silu * u
-                        cols = ib * BN_DH + tl.arange(0, BN_DH)
-                        col_ok = cols < I
-                        m2 = row_ok[:, None] & col_ok[None, :]
-                        part = tl.sum(tl.where(m2, dh1 * h, 0.0), axis=1)
-                        tl.store(dw_part + rows.to(tl.int64) * N_IB + ib, part, mask=row_ok)
-                        dh = dh1 * wgt[:, None]
-                        d_a = dh * u * (sig + silu * (1.0 - sig))
-                        d_u = dh * silu
-                        r64 = rows.to(tl.int64)[:, None]
-                        tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
-                        tl.store(dgu + r64 * (2 * I) + cols[None, :], d_a.to(DT), mask=m2)
-                        tl.store(dgu + r64 * (2 * I) + I + cols[None, :], d_u.to(DT), mask=m2)
-                        tl.debug_barrier()
-                        tl.atomic_add(ctl + C_DH_DONE + pick(tile_start_el, el_idx, e) + m, 1, sem="release", scope="gpu")
-                        tl.atomic_add(ctl + C_DH_EXP + e, 1, sem="release", scope="gpu")
-                        did = 4
+        if MODE == 0:
+            if did == 0:
+                q = tl.atomic_add(heads + Q_DH, 0, sem="relaxed")
+                if known & (q < n_dh):
+                    e, first = locate(cum_dh, el_idx, q)
+                    n_rows_e = pick(n_el, el_idx, e)
+                    arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
+                                            sem="acquire", scope=SCOPE)
+                    if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
+                        if tl.atomic_cas(heads + Q_DH, q, q + 1, sem="relaxed") == q:
+                            tl.debug_barrier()
+                            n_tiles_e = pick(tiles_el, el_idx, e)
+                            local = q - first
+                            ib = local // n_tiles_e
+                            m = local % n_tiles_e
+                            row0 = pick(row_start_el, el_idx, e) + m * BM
+                            n_rows = tl.minimum(n_rows_e - m * BM, BM)
+                            rows = row0 + tl.arange(0, BM)
+                            row_ok = tl.arange(0, BM) < n_rows
+                            x_rows = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                            g_rows = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                            w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+                            dh1, a, u = swiglu_backward_tile(x_rows, g_rows, n_rows, w_e, w_e + I * H,
+                                                             w_down_ptr + e.to(tl.int64) * H * I, ib * BN_DH,
+                                                             H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
+                            wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
+                            sig = tl.sigmoid(a)
+                            silu = a * sig
+                            h = silu * u
+                            cols = ib * BN_DH + tl.arange(0, BN_DH)
+                            col_ok = cols < I
+                            m2 = row_ok[:, None] & col_ok[None, :]
+                            part = tl.sum(tl.where(m2, dh1 * h, 0.0), axis=1)
+                            tl.store(dw_part + rows.to(tl.int64) * N_IB + ib, part, mask=row_ok)
+                            dh = dh1 * wgt[:, None]
+                            d_a = dh * u * (sig + silu * (1.0 - sig))
+                            d_u = dh * silu
+                            r64 = rows.to(tl.int64)[:, None]
+                            tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
+                            tl.store(dgu + r64 * (2 * I) + cols[None, :], d_a.to(DT), mask=m2)
+                            tl.store(dgu + r64 * (2 * I) + I + cols[None, :], d_u.to(DT), mask=m2)
+                            tl.debug_barrier()
+                            tl.atomic_add(ctl + C_DH_DONE + pick(tile_start_el, el_idx, e) + m, 1, sem="release", scope="gpu")
+                            tl.atomic_add(ctl + C_DH_EXP + e, 1, sem="release", scope="gpu")
+                            did = 4
 
         # ---- FEED: layout tiles, count exchange, send-list tiles, dispatch chunks ----
         if did == 0:
@@ -392,6 +396,7 @@ def expert_backward_kernel(
                         experts = tl.load(topk_e_ptr + ent, mask=ok, other=0)
                         start = tl.load(ctl + C_HIST + b * E + experts, mask=ok, other=0)
                         rank = tl.load(ctl + C_TPOS + ent, mask=ok, other=0)
+                        ok = ok & (experts >= 0)  # a dispatch call may leave choices empty (-1)
                         tl.store(ctl + C_SEND_LIST + experts.to(tl.int64) * T_MAX + start + rank, ent, mask=ok)
                         signal_add(ctl + C_LAYOUT_B, 1, "gpu")
                     did = 1
@@ -435,7 +440,8 @@ def expert_backward_kernel(
                             expert_base = tl.sum(tl.sum(tl.where(el2 < el, dst_tab, 0), axis=1), axis=0)
                             src_off = tl.sum(tl.sum(tl.where((el2 == el) & (src2 < me), dst_tab, 0), axis=1), axis=0)
                             slot = (expert_base + src_off + pos).to(tl.int64)
-                            if dst != me:  # local rows are read in place
+                            # The backward reads local rows in place; a dispatch call hands every row out.
+                            if (dst != me) | (MODE == 1):
                                 dst_x = peer_ptr(peers_ptr, dst, B_RECV_X, DT)
                                 dst_g = peer_ptr(peers_ptr, dst, B_RECV_G, DT)
                                 for h0 in tl.range(0, H, BH):
@@ -443,8 +449,9 @@ def expert_backward_kernel(
                                     m2 = row_ok[:, None] & (cols < H)[None, :]
                                     v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=m2)
                                     tl.store(dst_x + slot[:, None] * H + cols[None, :], v, mask=m2)
-                                    v = tl.load(g_ptr + tok[:, None] * H + cols[None, :], mask=m2)
-                                    tl.store(dst_g + slot[:, None] * H + cols[None, :], v, mask=m2)
+                                    if MODE == 0:
+                                        v = tl.load(g_ptr + tok[:, None] * H + cols[None, :], mask=m2)
+                                        tl.store(dst_g + slot[:, None] * H + cols[None, :], v, mask=m2)
                             dst_ctl = peer_ptr(peers_ptr, dst, 0, tl.int32)
                             tl.store(dst_ctl + C_RECV_SRC + slot, tl.zeros_like(ent) + me, mask=row_ok)
                             tl.store(dst_ctl + C_RECV_ENT + slot, ent, mask=row_ok)
@@ -455,100 +462,109 @@ def expert_backward_kernel(
                     did = 3
 
         # ---- DWGU / DWD: expert weight gradients, each a full reduction over the expert's rows ----
-        if did == 0:
-            q = tl.atomic_add(heads + Q_DWGU, 0, sem="relaxed")
-            kind = 0
-            if q < n_dwgu:
-                kind = 1
-            else:
-                q = tl.atomic_add(heads + Q_DWD, 0, sem="relaxed")
-                if q < n_dwd:
-                    kind = 2
-            if known & (kind > 0):
-                per_e = tl.where(kind == 1, N_WGU_M * N_WGU_N, N_WD_M * N_WD_N)
-                e = q // per_e
-                n_cols_blocks = tl.where(kind == 1, N_WGU_N, N_WD_N)
-                mb = (q % per_e) // n_cols_blocks
-                nb = (q % per_e) % n_cols_blocks
-                n_rows_e = pick(n_el, el_idx, e)
-                need = pick(tiles_el, el_idx, e) * N_IB
-                if tl.atomic_add(ctl + C_DH_EXP + e, 0, sem="acquire", scope="gpu") == need:
-                    head = tl.where(kind == 1, Q_DWGU, Q_DWD)
-                    if tl.atomic_cas(heads + head, q, q + 1, sem="relaxed") == q:
-                        tl.debug_barrier()
-                        row_start = pick(row_start_el, el_idx, e)
-                        mcols = mb * BWM + tl.arange(0, BWM)
-                        ncols = nb * BWN + tl.arange(0, BWN)
-                        rr = tl.arange(0, BKW)
-                        acc = tl.zeros([BWM, BWN], dtype=tl.float32)
-                        if kind == 1:
-                            # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h]
-                            for r0 in range(0, n_rows_e, BKW):
-                                rows = row_start + r0 + rr
-                                row_ok = (r0 + rr) < n_rows_e
-                                xp = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
-                                at = tl.load(dgu + rows.to(tl.int64)[:, None] * (2 * I) + mcols[None, :],
-                                             mask=row_ok[:, None] & (mcols < 2 * I)[None, :], other=0.0)
-                                b = tl.load(xp[:, None] + ncols[None, :], mask=row_ok[:, None] & (ncols < H)[None, :],
-                                            other=0.0)
-                                acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
-                            out = d_gate_up_ptr + e.to(tl.int64) * 2 * I * H + mcols.to(tl.int64)[:, None] * H + ncols[None, :]
-                            tl.store(out, acc.to(d_gate_up_ptr.dtype.element_ty),
-                                     mask=(mcols < 2 * I)[:, None] & (ncols < H)[None, :])
-                        else:
-                            # dWd[h, i] = sum_rows g[row, h] (w h)[row, i]
-                            for r0 in range(0, n_rows_e, BKW):
-                                rows = row_start + r0 + rr
-                                row_ok = (r0 + rr) < n_rows_e
-                                gp = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
-                                at = tl.load(gp[:, None] + mcols[None, :], mask=row_ok[:, None] & (mcols < H)[None, :],
-                                             other=0.0)
-                                b = tl.load(hw + rows.to(tl.int64)[:, None] * I + ncols[None, :],
-                                            mask=row_ok[:, None] & (ncols < I)[None, :], other=0.0)
-                                acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
-                            out = d_down_ptr + e.to(tl.int64) * H * I + mcols.to(tl.int64)[:, None] * I + ncols[None, :]
-                            tl.store(out, acc.to(d_down_ptr.dtype.element_ty),
-                                     mask=(mcols < H)[:, None] & (ncols < I)[None, :])
-                        did = 8
+        if MODE == 0:
+            if did == 0:
+                q = tl.atomic_add(heads + Q_DWGU, 0, sem="relaxed")
+                kind = 0
+                if q < n_dwgu:
+                    kind = 1
+                else:
+                    q = tl.atomic_add(heads + Q_DWD, 0, sem="relaxed")
+                    if q < n_dwd:
+                        kind = 2
+                if known & (kind > 0):
+                    per_e = tl.where(kind == 1, N_WGU_M * N_WGU_N, N_WD_M * N_WD_N)
+                    e = q // per_e
+                    n_cols_blocks = tl.where(kind == 1, N_WGU_N, N_WD_N)
+                    mb = (q % per_e) // n_cols_blocks
+                    nb = (q % per_e) % n_cols_blocks
+                    n_rows_e = pick(n_el, el_idx, e)
+                    need = pick(tiles_el, el_idx, e) * N_IB
+                    if tl.atomic_add(ctl + C_DH_EXP + e, 0, sem="acquire", scope="gpu") == need:
+                        head = tl.where(kind == 1, Q_DWGU, Q_DWD)
+                        if tl.atomic_cas(heads + head, q, q + 1, sem="relaxed") == q:
+                            tl.debug_barrier()
+                            row_start = pick(row_start_el, el_idx, e)
+                            mcols = mb * BWM + tl.arange(0, BWM)
+                            ncols = nb * BWN + tl.arange(0, BWN)
+                            rr = tl.arange(0, BKW)
+                            acc = tl.zeros([BWM, BWN], dtype=tl.float32)
+                            if kind == 1:
+                                # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h]
+                                for r0 in range(0, n_rows_e, BKW):
+                                    rows = row_start + r0 + rr
+                                    row_ok = (r0 + rr) < n_rows_e
+                                    xp = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                                    at = tl.load(dgu + rows.to(tl.int64)[:, None] * (2 * I) + mcols[None, :],
+                                                 mask=row_ok[:, None] & (mcols < 2 * I)[None, :], other=0.0)
+                                    b = tl.load(xp[:, None] + ncols[None, :], mask=row_ok[:, None] & (ncols < H)[None, :],
+                                                other=0.0)
+                                    acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
+                                out = d_gate_up_ptr + e.to(tl.int64) * 2 * I * H + mcols.to(tl.int64)[:, None] * H + ncols[None, :]
+                                tl.store(out, acc.to(d_gate_up_ptr.dtype.element_ty),
+                                         mask=(mcols < 2 * I)[:, None] & (ncols < H)[None, :])
+                            else:
+                                # dWd[h, i] = sum_rows g[row, h] (w h)[row, i]
+                                for r0 in range(0, n_rows_e, BKW):
+                                    rows = row_start + r0 + rr
+                                    row_ok = (r0 + rr) < n_rows_e
+                                    gp = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                                    at = tl.load(gp[:, None] + mcols[None, :], mask=row_ok[:, None] & (mcols < H)[None, :],
+                                                 other=0.0)
+                                    b = tl.load(hw + rows.to(tl.int64)[:, None] * I + ncols[None, :],
+                                                mask=row_ok[:, None] & (ncols < I)[None, :], other=0.0)
+                                    acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
+                                out = d_down_ptr + e.to(tl.int64) * H * I + mcols.to(tl.int64)[:, None] * I + ncols[None, :]
+                                tl.store(out, acc.to(d_down_ptr.dtype.element_ty),
+                                         mask=(mcols < H)[:, None] & (ncols < I)[None, :])
+                            did = 8
 
         # ---- DWR: the router weight's gradient over this rank's tokens ----
-        if did == 0:
-            q = tl.atomic_add(heads + Q_DWR, 0, sem="relaxed")
-            if q < n_dwr:
-                if tl.atomic_add(ctl + C_RB_DONE, 0, sem="acquire", scope="gpu") == n_lt:
-                    if tl.atomic_cas(heads + Q_DWR, q, q + 1, sem="relaxed") == q:
-                        tl.debug_barrier()
-                        mb = q // N_WGU_N
-                        nb = q % N_WGU_N
-                        mcols = mb * BWM + tl.arange(0, BWM)
-                        ncols = nb * BWN + tl.arange(0, BWN)
-                        rr = tl.arange(0, BKW)
-                        acc = tl.zeros([BWM, BWN], dtype=tl.float32)
-                        for t0 in tl.range(0, n_tokens, BKW, num_stages=1):  # fp32 operands: one stage
-                            toks = (t0 + rr).to(tl.int64)
-                            ok = (t0 + rr) < n_tokens
-                            at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],
-                                         mask=ok[:, None] & (mcols < E)[None, :], other=0.0)
-                            b = tl.load(x_ptr + toks[:, None] * H + ncols[None, :],
-                                        mask=ok[:, None] & (ncols < H)[None, :], other=0.0).to(tl.float32)
-                            acc = tl.dot(tl.trans(at), b, acc, input_precision=ROUTER_PRECISION)
-                        tl.store(d_router_ptr + mcols[:, None] * H + ncols[None, :], acc,
-                                 mask=(mcols < E)[:, None] & (ncols < H)[None, :])
-                        did = 9
+        if MODE == 0:
+            if did == 0:
+                q = tl.atomic_add(heads + Q_DWR, 0, sem="relaxed")
+                if q < n_dwr:
+                    if tl.atomic_add(ctl + C_RB_DONE, 0, sem="acquire", scope="gpu") == n_lt:
+                        if tl.atomic_cas(heads + Q_DWR, q, q + 1, sem="relaxed") == q:
+                            tl.debug_barrier()
+                            mb = q // N_WGU_N
+                            nb = q % N_WGU_N
+                            mcols = mb * BWM + tl.arange(0, BWM)
+                            ncols = nb * BWN + tl.arange(0, BWN)
+                            rr = tl.arange(0, BKW)
+                            acc = tl.zeros([BWM, BWN], dtype=tl.float32)
+                            for t0 in tl.range(0, n_tokens, BKW, num_stages=1):  # fp32 operands: one stage
+                                toks = (t0 + rr).to(tl.int64)
+                                ok = (t0 + rr) < n_tokens
+                                at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],
+                                             mask=ok[:, None] & (mcols < E)[None, :], other=0.0)
+                                b = tl.load(x_ptr + toks[:, None] * H + ncols[None, :],
+                                            mask=ok[:, None] & (ncols < H)[None, :], other=0.0).to(tl.float32)
+                                acc = tl.dot(tl.trans(at), b, acc, input_precision=ROUTER_PRECISION)
+                            tl.store(d_router_ptr + mcols[:, None] * H + ncols[None, :], acc,
+                                     mask=(mcols < E)[:, None] & (ncols < H)[None, :])
+                            did = 9
 
         # ---- Nothing taken: finished, aborted, or waiting. ----
         if did == 0:
-            finished = (
-                (tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") >= n_feed)
-                & (tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed") >= n_fold)
-                & (tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed") >= n_lt)
-                & (tl.atomic_add(heads + Q_DWGU, 0, sem="relaxed") >= n_dwgu)
-                & (tl.atomic_add(heads + Q_DWD, 0, sem="relaxed") >= n_dwd)
-                & (tl.atomic_add(heads + Q_DWR, 0, sem="relaxed") >= n_dwr)
-                & known
-                & (tl.atomic_add(heads + Q_DH, 0, sem="relaxed") >= n_dh)
-                & (tl.atomic_add(heads + Q_DX, 0, sem="relaxed") >= n_dx)
-            )
+            finished = (tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") >= n_feed) & known
+            if MODE == 0:
+                finished = (
+                    finished
+                    & (tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed") >= n_fold)
+                    & (tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed") >= n_lt)
+                    & (tl.atomic_add(heads + Q_DWGU, 0, sem="relaxed") >= n_dwgu)
+                    & (tl.atomic_add(heads + Q_DWD, 0, sem="relaxed") >= n_dwd)
+                    & (tl.atomic_add(heads + Q_DWR, 0, sem="relaxed") >= n_dwr)
+                    & (tl.atomic_add(heads + Q_DH, 0, sem="relaxed") >= n_dh)
+                    & (tl.atomic_add(heads + Q_DX, 0, sem="relaxed") >= n_dx)
+                )
+            else:
+                # A dispatch call returns only once every row bound for this rank is here.
+                arrived_all = tl.atomic_add(ctl + C_ARRIVED + w_idx[:, None] * E_L + el_idx[None, :], 0,
+                                            mask=(w_idx < W)[:, None] & (el_idx < E_L)[None, :],
+                                            sem="acquire", scope=SCOPE)
+                finished = finished & (tl.sum(tl.sum(arrived_all, axis=1), axis=0) == tl.sum(n_el, axis=0))
             if finished:
                 running = 0
             else:
@@ -596,9 +612,12 @@ def expert_backward_kernel(
     if tl.atomic_add(ctl + C_EXIT, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         if tl.atomic_add(abort, 0, sem="relaxed") == 0:
             RESET: tl.constexpr = 1024
-            for w0 in tl.range(C_ARRIVED, C_HIST, RESET):  # arrivals, tile and expert counters, combine
+            # Arrivals, tile and expert counters, and (backward only: a peer's combine call may
+            # already be adding to them after a dispatch call) the combine counters.
+            RESET_END: tl.constexpr = C_HIST if MODE == 0 else C_COMB_ARR
+            for w0 in tl.range(C_ARRIVED, RESET_END, RESET):
                 idx = w0 + tl.arange(0, RESET)
-                tl.store(ctl + idx, tl.zeros([RESET], tl.int32), mask=idx < C_HIST)
+                tl.store(ctl + idx, tl.zeros([RESET], tl.int32), mask=idx < RESET_END)
             heads_idx = tl.arange(0, 8)
             tl.store(ctl + C_HEADS + heads_idx, tl.zeros([8], tl.int32))
             tl.store(ctl + C_LAYOUT_A + tl.arange(0, 4), tl.zeros([4], tl.int32))

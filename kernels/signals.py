@@ -22,6 +22,7 @@ ERR_LAYOUT = tl.constexpr(7)      # backward: waited for this rank's own layout 
 ERR_DH_TILE = tl.constexpr(8)     # backward: waited for the SwiGLU-backward tiles of a row tile
 ERR_DW = tl.constexpr(9)          # backward: waited for routing-weight gradients of a local token
 ERR_DH_EXPERT = tl.constexpr(10)  # backward: waited for the SwiGLU-backward tiles of an expert
+ERR_SHORT = tl.constexpr(11)      # combine: given fewer expert outputs than rows were dispatched
 
 
 @triton.jit

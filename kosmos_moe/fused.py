@@ -32,6 +32,7 @@ _WHAT = {
     9: "the routing-weight gradients of local token {index} ({observed} of {expected} arrived)",
     10: "the SwiGLU-backward tiles of a local expert (weight-gradient tasks)",
 }
+_ERR_SHORT = 11
 
 
 class _HostRecords:
@@ -212,6 +213,12 @@ class _PersistentLaunch:
         kind, rank, task, peer, index, expected, observed, _ = (int(v) for v in record.tolist())
         if kind == 0:
             return
+        if kind == _ERR_SHORT:
+            self.failed = ExpertLayerTimeout(
+                f"combine on rank {rank} was given {observed} expert-output rows, but {expected} rows were "
+                "dispatched to it; nothing was combined and this exchange's workspaces are no longer consistent"
+            )
+            raise self.failed
         what = _WHAT.get(kind, f"signal kind {kind}").format(
             peer=peer, index=index, expected=expected, observed=observed, task=task
         )
