@@ -78,7 +78,10 @@ class ExpertExchange:
 
     def dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor
                  ) -> tuple[torch.Tensor, DispatchHandle]:
-        """Send rows of ``x`` ``[T, H]`` to the experts in ``topk_idx`` ``[T, K]`` (-1: none)."""
+        """Send rows of ``x`` ``[T, H]`` to the experts in ``topk_idx`` ``[T, K]`` (-1: none).
+
+        The returned rows are a view of the receive buffer: valid until the next dispatch.
+        """
         from kosmos_moe.kernels.expert_backward import expert_backward_kernel
 
         c, launch = self.config, self.launch
