@@ -77,8 +77,7 @@ class Handle(NamedTuple):
     is_token_in_rank: torch.Tensor
     send_head: None
     rank_idx: torch.Tensor          # kosmos-moe: each token's destination ranks (-1 padded)
-    rows: DispatchHandle            # kosmos-moe: the layout of the row exchange
-    meta: DispatchHandle            # kosmos-moe: the layout of the index/weight exchange
+    layout: int                     # kosmos-moe: which dispatch layout this handle describes
     num_recv: int
 
 
@@ -125,6 +124,10 @@ class Buffer:
         self._rows: ExpertExchange | None = None
         self._meta: ExpertExchange | None = None
         self._shape: tuple | None = None
+        self._layouts = 0
+        # The layout each exchange's workspace holds now, and that layout's exchange handle.
+        self._rows_state: tuple[int, DispatchHandle] | None = None
+        self._meta_state: tuple[int, DispatchHandle] | None = None
 
     # DeepEP's static tuning knobs.
     @staticmethod
@@ -216,34 +219,42 @@ class Buffer:
             order = torch.where(is_token_in_rank, ranks, W).sort(dim=1).values[:, :slots]
             rank_idx = torch.where(order < W, order, -1)
         self._exchanges(x.shape[1], x.dtype, top_k, num_experts)
-        n = x.shape[0]
+        layout = handle.layout if handle is not None else self._layouts + 1
+        self._layouts = max(self._layouts, layout)
         slot_w = torch.ones(rank_idx.shape, dtype=torch.float32, device=x.device)
         rows, rows_handle = self._rows.dispatch(x, rank_idx, slot_w)
-        if handle is None:
-            meta_in = torch.cat([topk_idx.to(torch.float32), topk_weights.to(torch.float32)], dim=1)
-            meta, meta_handle = self._meta.dispatch(meta_in, rank_idx, slot_w)
-        else:
-            meta, meta_handle = None, handle.meta
+        self._rows_state = (layout, rows_handle)
         num_recv = int(rows_handle.num_rows)  # the host sync of normal mode: it sizes recv_x
         recv_x = rows[:num_recv].clone()  # DeepEP's recv_x outlives the next dispatch; the receive buffer does not
+        if handle is not None:
+            return recv_x, None, None, None, handle, _event(async_finish)
+        meta_in = torch.cat([topk_idx.to(torch.float32), topk_weights.to(torch.float32)], dim=1)
+        meta, meta_handle = self._meta.dispatch(meta_in, rank_idx, slot_w)
+        self._meta_state = (layout, meta_handle)
         local = num_experts // W
         first = self.rank * local
-        if handle is None:
-            table = self._rows._view("table", torch.int32, 2 * W * W).view(2, W, W)[self._rows._calls % 2]
-            rank_prefix = table.cumsum(0, dtype=torch.int32)
-            recv_src_idx = (rows_handle.source_index[:num_recv] // min(top_k, W)).to(torch.int32)
-            m = meta[:num_recv]
-            glob = m[:, :top_k].round().long()
-            mine = (glob >= first) & (glob < first + local)
-            recv_topk_idx = torch.where(mine, glob - first, -1)
-            recv_topk_weights = torch.where(mine, m[:, top_k:], 0.0)
-            counts = torch.stack([(recv_topk_idx == e).sum() for e in range(local)]) if local else torch.zeros(0)
-            counts = ((counts + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
-            new = Handle(rank_prefix, None, None, recv_src_idx, is_token_in_rank, None, rank_idx, rows_handle,
-                         meta_handle, num_recv)
-            return recv_x, recv_topk_idx, recv_topk_weights, counts, new, _event(async_finish)
-        cached = handle._replace(rows=rows_handle, num_recv=num_recv)
-        return recv_x, None, None, None, cached, _event(async_finish)
+        table = self._rows._view("table", torch.int32, 2 * W * W).view(2, W, W)[self._rows._calls % 2]
+        rank_prefix = table.cumsum(0, dtype=torch.int32)
+        recv_src_idx = (rows_handle.source_index[:num_recv] // min(top_k, W)).to(torch.int32)
+        m = meta[:num_recv]
+        glob = m[:, :top_k].round().long()
+        mine = (glob >= first) & (glob < first + local)
+        recv_topk_idx = torch.where(mine, glob - first, -1)
+        recv_topk_weights = torch.where(mine, m[:, top_k:], 0.0)
+        counts = torch.stack([(recv_topk_idx == e).sum() for e in range(local)])
+        counts = ((counts + expert_alignment - 1) // expert_alignment * expert_alignment).tolist()
+        new = Handle(rank_prefix, None, None, recv_src_idx, is_token_in_rank, None, rank_idx, layout, num_recv)
+        return recv_x, recv_topk_idx, recv_topk_weights, counts, new, _event(async_finish)
+
+    def _state(self, exchange: ExpertExchange, state, handle: Handle, width: int, dtype: torch.dtype):
+        """The exchange handle of ``handle``'s layout, re-laying it out if another dispatch ran since."""
+        if state is not None and state[0] == handle.layout:
+            return state[1]
+        n = handle.rank_idx.shape[0]
+        device = handle.rank_idx.device
+        _, fresh = exchange.dispatch(torch.zeros(n, width, dtype=dtype, device=device), handle.rank_idx,
+                                     torch.ones(handle.rank_idx.shape, dtype=torch.float32, device=device))
+        return fresh
 
     def combine(self, x: torch.Tensor, handle: Handle, topk_weights: torch.Tensor | None = None,
                 bias=None, config: Config | None = None, previous_event: EventOverlap | None = None,
@@ -256,18 +267,16 @@ class Buffer:
         self._check_stream_args(previous_event, allocate_on_comm_stream)
         if x.shape[0] != handle.num_recv:
             raise ValueError(f"combine takes one row per received token ({handle.num_recv}), got {x.shape[0]}")
-        if handle.rows.call != self._rows._calls:
-            raise RuntimeError("kosmos_moe.deepep_compat combines the latest dispatch only; this handle is older")
+        hidden, dtype, top_k, _ = self._shape
+        rows_handle = self._state(self._rows, self._rows_state, handle, hidden, dtype)
+        self._rows_state = (handle.layout, rows_handle)
         rows = x if x.shape[0] else torch.zeros(1, x.shape[1], dtype=x.dtype, device=x.device)
-        combined = self._rows.combine(rows, handle.rows, weighted=False)
+        combined = self._rows.combine(rows, rows_handle, weighted=False)
         combined_w = None
         if topk_weights is not None:
-            top_k = self._shape[2]
+            meta_handle = self._state(self._meta, self._meta_state, handle, 2 * top_k, torch.float32)
+            self._meta_state = (handle.layout, meta_handle)
             payload = torch.zeros(max(x.shape[0], 1), 2 * top_k, dtype=torch.float32, device=x.device)
             payload[: x.shape[0], top_k:] = topk_weights.float()
-            # The index/weight exchange answers its own latest dispatch: re-dispatch its layout
-            # when the rows were dispatched from a cached handle.
-            if handle.meta.call != self._meta._calls:
-                raise RuntimeError("combine with topk_weights needs the handle of a dispatch that carried top-k")
-            combined_w = self._meta.combine(payload, handle.meta, weighted=False)[:, top_k:]
+            combined_w = self._meta.combine(payload, meta_handle, weighted=False)[:, top_k:]
         return combined, combined_w, _event(async_finish)

@@ -17,7 +17,7 @@ from .fabric import Fabric, default_fabric
 from .reference import reference_expert_forward
 from .router import Router
 
-BACKENDS: tuple[str, ...] = ("reference", "kosmos")
+BACKENDS: tuple[str, ...] = ("reference", "kosmos", "deepep")
 
 _EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
 
@@ -33,6 +33,11 @@ class ExpertLayer(nn.Module):
     Parameter names follow Hugging Face transformers v5 (``gate.weight``,
     ``gate.e_score_correction_bias``, ``experts.gate_up_proj``, ``experts.down_proj``,
     ``shared_experts.{gate,up,down}_proj.weight``), so checkpoints load without reshaping.
+
+    Backends: ``reference`` (permute, all-to-all, grouped GEMM; the oracle and baseline),
+    ``kosmos`` (one persistent Triton launch per direction; needs ``max_tokens_per_rank``) and
+    ``deepep`` (DeepEP's Buffer for the exchange, grouped-GEMM experts; ``deepep_buffer`` may
+    pass any Buffer with DeepEP's API, e.g. ``kosmos_moe.deepep_compat.Buffer``).
 
     After each call, ``tokens_per_expert`` holds the number of this rank's (token, k)
     assignments per global expert and, when ``compute_aux_loss`` is set, ``aux_loss`` holds the
@@ -61,6 +66,7 @@ class ExpertLayer(nn.Module):
         fabric: Fabric | None = None,
         workers_per_rank: int | None = None,
         fused_options: dict | None = None,
+        deepep_buffer=None,
     ) -> None:
         super().__init__()
         self.config = MoEConfig(
@@ -84,6 +90,15 @@ class ExpertLayer(nn.Module):
                 "backend='kosmos' sizes its buffers for the worst case up front: pass max_tokens_per_rank "
                 "(the most tokens one rank feeds the layer in one call)"
             )
+        if backend == "deepep" and deepep_buffer is None:
+            import importlib.util
+
+            from .deepep_backend import INSTALL_HINT
+
+            if importlib.util.find_spec("deep_ep") is None:
+                raise ImportError(INSTALL_HINT)
+        if deepep_buffer is not None and backend != "deepep":
+            raise ValueError("deepep_buffer is only used by backend='deepep'")
         if fabric is not None and backend != "kosmos":
             raise ValueError("a fabric is only used by backend='kosmos'")
         if fabric is not None and group is not None:
@@ -121,6 +136,7 @@ class ExpertLayer(nn.Module):
         self._workers_per_rank = workers_per_rank
         self._fused_options = dict(fused_options or {})
         self._fused = None
+        self._deepep_buffer = deepep_buffer
 
     # ----------------------------------------------------------------------------------------
     # Presets for the two production layer shapes.
@@ -203,7 +219,14 @@ class ExpertLayer(nn.Module):
             else None
         )
 
-        out = reference_expert_forward(tokens, routing, self.experts, self.config.num_experts, self.group)
+        if self.backend == "deepep":
+            from .deepep_backend import deepep_expert_forward, make_buffer
+
+            if self._deepep_buffer is None:
+                self._deepep_buffer = make_buffer(self.group, self.config.hidden_size, tokens.dtype)
+            out = deepep_expert_forward(tokens, routing, self.experts, self.config.num_experts, self._deepep_buffer)
+        else:
+            out = reference_expert_forward(tokens, routing, self.experts, self.config.num_experts, self.group)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
         return out.reshape(*leading, self.config.hidden_size)
