@@ -75,6 +75,16 @@ def interpreter_active() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _run(kernel, grid, args, kwargs, warmup: bool) -> None:
+    """Launch ``kernel``, or with ``warmup`` compile it and load its module without launching."""
+    if not warmup:
+        kernel[grid](*args, **kwargs)
+        return
+    compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
+    if compiled is not None:
+        compiled._init_handles()  # cuModuleLoad + cuModuleGetFunction now, not at first launch
+
+
 class _PersistentLaunch:
     """What the forward and backward launchers share: workers, workspace, timeouts, profile."""
 
@@ -260,6 +270,7 @@ class FusedForward(_PersistentLaunch):
         from kosmos_moe.kernels.expert_forward import PROFILE_SLOTS
 
         self.profile_slots = PROFILE_SLOTS
+        self._warm = False
         self.backward = FusedBackward(config, fabric, max_tokens, workers, backward_tiles, wait_bound, profile)
         self.backward_at_prepare = backward
 
@@ -287,17 +298,44 @@ class FusedForward(_PersistentLaunch):
         n, hidden = tokens.shape
         self.prepare(tokens.dtype)
         tokens = tokens.contiguous()
-        c, t = self.config, self.tiles
-        gate = layer.gate
-        experts = layer.experts
-        shared_mlp = layer.shared_experts if shared else None
-        bias = gate.e_score_correction_bias
-        dummy = self.workspace.local
         out = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=tokens.device)
         if self.fabric.device.type == "cuda":
             _HostRecords.reserve()
-        x = tokens if n > 0 else out
-        expert_forward_kernel[(self.workers,)](
+            if not self._warm:
+                self._warm_up(tokens if n > 0 else out, out, layer)
+        self._launch(tokens if n > 0 else out, out, n, layer, shared, warmup=False)
+        lay, c = self.layout, self.config
+        top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * c.top_k].view(n, c.top_k)
+        self._watch()
+        if not keep_routing:
+            return out[:n], top_e.long()
+        w0 = lay.bytes["topk_w"]
+        top_w = self.workspace.local[w0: w0 + 4 * n * c.top_k].view(torch.float32).view(n, c.top_k)
+        return out[:n], top_e.long(), top_e.clone(), top_w.clone()
+
+    def _warm_up(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module) -> None:
+        """Compile and load every kernel variant this layer may launch, before launching any.
+
+        Loading a module while a peer's persistent kernel spins may wait for that kernel (CUDA
+        lazy loading serialises them), and the peer waits for this rank: so the inference and
+        training forwards and the backward are all loaded before this rank's first launch.
+        """
+        variants = [True, False] if layer.shared_experts is not None else [False]
+        for shared in variants:
+            self._launch(x, out, x.shape[0], layer, shared, warmup=True)
+        if self.backward_at_prepare:
+            self.backward.warm_up(x, layer)
+        self._warm = True
+
+    def _launch(self, x, out, n, layer, shared: bool, warmup: bool) -> None:
+        from kosmos_moe.kernels.expert_forward import expert_forward_kernel
+
+        c, t = self.config, self.tiles
+        gate, experts = layer.gate, layer.experts
+        shared_mlp = layer.shared_experts if shared else None
+        bias = gate.e_score_correction_bias
+        dummy = self.workspace.local
+        args = (
             x, out, n,
             gate.weight, bias if bias is not None else dummy, float(c.routed_scaling_factor),
             experts.gate_up_proj, experts.down_proj,
@@ -306,7 +344,9 @@ class FusedForward(_PersistentLaunch):
             shared_mlp.down_proj.weight if shared_mlp is not None else dummy,
             self.workspace.peers, self.fabric.rank, self.wait_bound,
             self.profile if self.profile is not None else self.workspace.peers,
-            **self._common_constexprs(tokens.dtype),
+        )
+        kwargs = dict(
+            **self._common_constexprs(x.dtype),
             I_S=c.shared_intermediate_size if shared_mlp is not None else 0,
             N_GROUP=c.n_group, TOPK_GROUP=c.topk_group, G_PAD=_next_pow2(c.n_group),
             BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
@@ -314,14 +354,7 @@ class FusedForward(_PersistentLaunch):
             STAGES=t.stages, PROFILE=self.profile is not None,
             num_warps=t.warps,
         )
-        lay = self.layout
-        top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * c.top_k].view(n, c.top_k)
-        self._watch()
-        if not keep_routing:
-            return out[:n], top_e.long()
-        w0 = lay.bytes["topk_w"]
-        top_w = self.workspace.local[w0: w0 + 4 * n * c.top_k].view(torch.float32).view(n, c.top_k)
-        return out[:n], top_e.long(), top_e.clone(), top_w.clone()
+        _run(expert_forward_kernel, (self.workers,), args, kwargs, warmup)
 
     def raise_if_failed(self, block: bool = True) -> None:
         """Raise :class:`ExpertLayerTimeout` if an earlier forward or backward call timed out."""
@@ -374,12 +407,37 @@ class FusedBackward(_PersistentLaunch):
             tokens, grad_out = dx, dx
             top_e = torch.zeros(1, c.top_k, dtype=torch.int32, device=dx.device)
             top_w = torch.zeros(1, c.top_k, dtype=torch.float32, device=dx.device)
-        expert_backward_kernel[(self.workers,)](
+        self._launch(tokens, grad_out, dx, top_e, top_w, n, router_weight, gate_up_proj, down_proj,
+                     d_router, d_gate_up, d_down, warmup=False)
+        self._watch()
+        return dx[:n], d_router, d_gate_up, d_down
+
+    def warm_up(self, x: torch.Tensor, layer: nn.Module) -> None:
+        """Compile and load the backward kernel for this layer's tensors (see FusedForward._warm_up)."""
+        if self.fabric.device.type != "cuda":
+            return
+        self.prepare(x.dtype)
+        c = self.config
+        top_e = torch.zeros(1, c.top_k, dtype=torch.int32, device=x.device)
+        top_w = torch.zeros(1, c.top_k, dtype=torch.float32, device=x.device)
+        w = layer.gate.weight
+        gu, dn = layer.experts.gate_up_proj, layer.experts.down_proj
+        d_router = torch.empty(w.shape, dtype=torch.float32, device=x.device)
+        self._launch(x, x, x, top_e, top_w, 0, w, gu, dn, d_router, gu, dn, warmup=True)
+
+    def _launch(self, tokens, grad_out, dx, top_e, top_w, n, router_weight, gate_up_proj, down_proj,
+                d_router, d_gate_up, d_down, warmup: bool) -> None:
+        from kosmos_moe.kernels.expert_backward import expert_backward_kernel
+
+        c, t = self.config, self.tiles
+        args = (
             tokens, grad_out, dx, top_e, top_w, n,
             router_weight, float(c.routed_scaling_factor), gate_up_proj, down_proj,
             d_router, d_gate_up, d_down,
             self.workspace.peers, self.fabric.rank, self.wait_bound,
             self.profile if self.profile is not None else self.workspace.peers,
+        )
+        kwargs = dict(
             **self._common_constexprs(tokens.dtype),
             BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
             BN_DH=t.swiglu_cols, BN_DX=t.dx_cols, BK=t.depth, BKW=t.wgrad_depth, BWM=t.wgrad_rows,
@@ -387,8 +445,7 @@ class FusedBackward(_PersistentLaunch):
             PROFILE=self.profile is not None,
             num_warps=t.warps,
         )
-        self._watch()
-        return dx[:n], d_router, d_gate_up, d_down
+        _run(expert_backward_kernel, (self.workers,), args, kwargs, warmup)
 
 
 class FusedExpertsFunction(torch.autograd.Function):

@@ -25,13 +25,23 @@ from test_fused_cpu import CASES, INTERPRET, build, tokens
 # gradient here is a chain of fp32 dot products of at most a few hundred terms (the longest:
 # an expert's weight gradient, summed over the <= W*40 rows routed to it). A sum of n terms of
 # random sign rounds to about sqrt(n) * 2**-24 of its largest partial sum, i.e. ~1e-6 of the
-# largest entry of the result for n ~ 160; a few such stages chain. atol = 2e-5 of the largest
-# entry of the expected gradient (per expert for the expert weights) leaves a margin of ~5x
-# over that while any indexing or accumulation bug (a missing row, a wrong expert, a race)
-# shows up at O(1) of the scale. rtol 1e-4 covers the larger entries the same way. An
-# expected gradient that is exactly zero (an expert that no row reached, a rank without
-# tokens) must come out exactly zero: nothing is accumulated there.
+# largest entry of the result for n ~ 160. Measured on these cases: the fp32 reference is
+# within 4.3e-7 of an fp64 evaluation (relative to the largest entry; per expert for the
+# expert weights), and the kernel within 5.3e-7 of the fp32 reference, for the input, expert
+# and shared-expert gradients. atol = 2e-5 of the largest entry of the expected gradient
+# (per expert for the expert weights, so that an expert few rows reached is held to its own
+# scale) leaves a margin of more than 30x, while any indexing or accumulation bug (a missing
+# row, a wrong expert, a race) shows up at O(1) of the scale. rtol 1e-4 covers the larger
+# entries the same way. An expected gradient that is exactly zero (an expert no row reached,
+# a rank without tokens) must come out exactly zero: nothing is accumulated there.
 GRAD_RTOL, GRAD_ATOL = 1e-4, 2e-5
+# The router weight's gradient goes through the softmax / sigmoid-renormalisation backward,
+# d logit_e = p_e * (dp_e - sum_j p_j dp_j) and the like, which cancels: on a rank with a
+# single token (softmax_shared, world 4, rank 3) the fp32 reference itself is 6.3e-6 of the
+# largest entry away from fp64 and the kernel 9.1e-6 (1.1e-5 from each other). Both are
+# correct fp32 results of an ill-conditioned sum, so the router gets 1e-4: ~9x that worst case,
+# still far below a wrong-token or wrong-expert error.
+ROUTER_GRAD_ATOL = 1e-4
 # The outputs: the forward file's tolerance (one GEMM chain, no long sums).
 OUT_RTOL, OUT_ATOL = 1e-5, 1e-5
 
@@ -41,7 +51,7 @@ EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 def cotangents(counts, hidden, seed):
-    """One dL/d(out) per rank; the same on every rank (seeded by rank), apart from the tokens'."""
+    """dL/d(out_r) of every rank r, seeded by r: every process builds the same list."""
     return [torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed * 100 + 50 + r))
             for r, n in enumerate(counts)]
 
@@ -62,11 +72,11 @@ def add_grads(a, b):
     return {name: a[name] + b[name] for name in a}
 
 
-def assert_grad_close(actual, expected, what):
+def assert_grad_close(actual, expected, what, atol=GRAD_ATOL):
     assert actual is not None, f"{what}: no gradient"
     assert actual.shape == expected.shape, f"{what}: gradient of shape {tuple(actual.shape)}, expected {tuple(expected.shape)}"
     scale = expected.abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(actual, expected, rtol=GRAD_RTOL, atol=GRAD_ATOL * scale,
+    torch.testing.assert_close(actual, expected, rtol=GRAD_RTOL, atol=atol * scale,
                                msg=lambda m: f"{what} (scale {scale:.3g}): {m}")
 
 
@@ -94,10 +104,11 @@ def check_param_grads(rank, world, fused, full_grads, own_grads, what):
             continue
         grad = params[name].grad
         assert grad is not None, f"{what} rank {rank}: {name} has no gradient"
-        assert_grad_close(grad, own_grads[name], f"{what} rank {rank}: {name} (this rank's tokens)")
+        atol = ROUTER_GRAD_ATOL if name == "gate.weight" else GRAD_ATOL
+        assert_grad_close(grad, own_grads[name], f"{what} rank {rank}: {name} (this rank's tokens)", atol)
         total = grad.clone()
         dist.all_reduce(total)
-        assert_grad_close(total, full_grads[name], f"{what} rank {rank}: {name} summed over the ranks")
+        assert_grad_close(total, full_grads[name], f"{what} rank {rank}: {name} summed over the ranks", atol)
     assert names <= set(EXPERTS) | set(ROUTER_AND_SHARED), names
 
 
@@ -165,7 +176,7 @@ def test_backward_skewed_routing(world):
     """Every token's first choice one expert; every choice on the last rank's experts."""
     items = {
         2: [("softmax", "one_expert"), ("sigmoid_group_shared", "one_rank"), ("softmax_shared", "one_rank")],
-        4: [("sigmoid_group", "one_rank")],
+        4: [("softmax_shared", "one_rank")],  # two local experts per rank, top_k 2
     }[world]
     run_world(world, check_cases, items, env=INTERPRET)
 
@@ -240,9 +251,12 @@ def check_patterns(rank, world, case, patterns):
             check_pattern(rank, world, case, pattern)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_accumulation_and_interleaved_backwards(world):
+@pytest.mark.parametrize("world, patterns", [
+    # World 1 (the one-rank fabric) runs the hardest pattern only: the rest is the same at any world.
+    pytest.param(1, ["interleaved_reversed"], id="1"),
+    pytest.param(2, ["accumulate", "interleaved", "interleaved_reversed", "input_without_grad"], id="2"),
+])
+def test_accumulation_and_interleaved_backwards(world, patterns):
     """sigmoid_group routing with a shared expert and a correction bias; at world 2 rank 1 has no
     tokens in the first batch and rank 0 none in the second."""
-    patterns = ["accumulate", "interleaved", "interleaved_reversed", "input_without_grad"]
     run_world(world, check_patterns, "sigmoid_group_shared", patterns, env=INTERPRET)
