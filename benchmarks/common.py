@@ -1,0 +1,145 @@
+"""What the benchmark scripts share: process group, timing, ceilings, environment, outputs.
+
+Every script runs as ``python benchmarks/<script>.py`` on one device, or under ``torchrun``
+on several; ``--smoke`` runs tiny shapes on the CPU (kosmos under Triton's interpreter), which
+checks a script without measuring anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def smoke_requested() -> bool:
+    """``--smoke`` on the command line; it must be known before Triton is imported."""
+    return "--smoke" in sys.argv
+
+
+if smoke_requested():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def log(*args) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, file=sys.stderr, flush=True)
+
+
+def init(smoke: bool) -> torch.device:
+    """Join torchrun's process group, or make a group of one; return this rank's device."""
+    use_cuda = torch.cuda.is_available() and not smoke
+    backend = "nccl" if use_cuda else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def timed(fn, device: torch.device, warmup: int = 2, iters: int = 10) -> float:
+    """Median seconds of ``fn()``, all ranks in step (a barrier before each run)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def ceilings(device: torch.device, smoke: bool) -> dict[str, float]:
+    """Dense bf16 matmul rate, device copy bandwidth, and peer copy bandwidth with several GPUs."""
+    n = 256 if smoke else 8192
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t_mm = timed(lambda: a @ b, device, iters=5)
+    src = torch.empty((1 << 20) if smoke else (1 << 30), device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    t_copy = timed(lambda: dst.copy_(src), device, iters=5)
+    out = {
+        "dense_tflops": 2 * n**3 / t_mm / 1e12,
+        "copy_gbps": 2 * src.numel() * src.element_size() / t_copy / 1e9,  # read + write
+    }
+    world = dist.get_world_size()
+    if device.type == "cuda" and world > 1:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty(1 << 28, dtype=torch.uint8, device=device)
+        handle = symm_mem.rendezvous(buf, dist.group.WORLD.group_name)
+        peer = handle.get_buffer((dist.get_rank() + 1) % world, (1 << 28,), torch.uint8)
+        local = torch.empty(1 << 28, dtype=torch.uint8, device=device)
+        t_peer = timed(lambda: local.copy_(peer), device, iters=5)
+        out["peer_copy_gbps"] = (1 << 28) / t_peer / 1e9  # bytes read from the peer per second
+    return out
+
+
+def environment(device: torch.device) -> dict:
+    import triton
+
+    env = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "world_size": dist.get_world_size(), "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "python": platform.python_version(),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+    }
+    try:
+        import deep_ep  # noqa: F401
+
+        env["deep_ep"] = getattr(deep_ep, "__version__", "installed")
+    except ImportError:
+        env["deep_ep"] = None
+    return env
+
+
+def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """``columns``: (key, header, format) triples."""
+    lines = ["| " + " | ".join(h for _, h, _ in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = []
+        for key, _, fmt in columns:
+            value = row.get(key)
+            cells.append("-" if value is None else format(value, fmt) if fmt else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write(results: dict, table: str, out: str | None) -> None:
+    """Print the table; with ``out``, write ``out`` (JSON) and ``out`` with ``.md`` (table + environment)."""
+    if dist.get_rank() != 0:
+        return
+    print(table)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(results, indent=1))
+        env = "\n".join(f"- {k}: {v}" for k, v in results["environment"].items())
+        ceil = "\n".join(f"- {k}: {v:.1f}" for k, v in results["ceilings"].items())
+        Path(out).with_suffix(".md").write_text(f"{table}\n\nEnvironment:\n{env}\n\nCeilings measured in this run:\n{ceil}\n")

@@ -1,0 +1,42 @@
+"""Every benchmark script runs end to end in its CPU smoke mode (tiny shapes, one iteration).
+
+These check that the scripts work and write their JSON and markdown; they measure nothing.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+def run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args]
+    done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+@pytest.mark.parametrize("script", ["bench_dispatch_combine.py", "bench_layer.py"])
+def test_script_smoke(script, tmp_path):
+    out = tmp_path / "result.json"
+    run(script, "--out", str(out))
+    results = json.loads(out.read_text())
+    assert results["environment"]["torch"] and results["ceilings"]["dense_tflops"] > 0
+    assert results["rows"] and (tmp_path / "result.md").read_text().startswith("|")
+    measured = [r for r in results["rows"] if "skipped" not in r]
+    assert "kosmos" in {r.get("path", r.get("backend")) for r in measured}
+    if script == "bench_dispatch_combine.py":
+        assert measured[0]["path"] == "kosmos" and measured[0]["max_abs_err"] < 1e-4
+
+
+def test_e2e_smoke(tmp_path):
+    out = tmp_path / "e2e.json"
+    run("bench_e2e.py", "--cases", "dsv3_rank", "--backends", "reference", "--seq-len", "16", "--warmup", "0",
+        "--iters", "1", "--out", str(out))
+    assert json.loads(out.read_text())
