@@ -19,7 +19,7 @@ this rank, after its fold has seen every peer's write of this call.
 import triton
 import triton.language as tl
 
-from .signals import ERR_COMBINE, ERR_SHORT, peer_ptr, record_error
+from .signals import ERR_COMBINE, ERR_SHORT, WORKSPACE_ALIGN, peer_base, peer_ptr, record_error
 
 Q_SEND = tl.constexpr(0)
 Q_FOLD = tl.constexpr(1)
@@ -100,7 +100,7 @@ def combine_kernel(
                     ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
                     tok = ent // TOP_K
                     slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-                    base = tl.load(peers_ptr + src_r, mask=row_ok, other=0)
+                    base = peer_base(peers_ptr, src_r, row_ok)
                     wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
                     for h0 in tl.range(0, H, BH):
                         cols = h0 + tl.arange(0, BH)
@@ -108,8 +108,8 @@ def combine_kernel(
                         v = tl.load(y_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=m2, other=0.0)
                         if WEIGHTED:
                             v = (v.to(tl.float32) * wgt[:, None]).to(DT)
-                        dst = (base + B_COMB + slot * H * ES)[:, None] + cols[None, :].to(tl.int64) * ES
-                        tl.store(dst.to(tl.pointer_type(DT)), v, mask=m2)
+                        dst = (tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H)[:, None] + cols[None, :]
+                        tl.store(dst, v, mask=m2)
                     tl.debug_barrier()
                     arrive = (base + (C_COMB_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
                     tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)

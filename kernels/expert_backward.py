@@ -55,7 +55,7 @@ from .queues import locate, pick, recv_table
 from .route import router_logits, routing_backward
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
-    peer_ptr, record_error, signal_add,
+    WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import rows_times_weight_tile, swiglu_backward_tile
 
@@ -232,10 +232,10 @@ def expert_backward_kernel(
                             ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
                             tok = ent // TOP_K
                             slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-                            base = tl.load(peers_ptr + src, mask=row_ok, other=0)
+                            base = peer_base(peers_ptr, src, row_ok)
                             cols = hb * BN_DX + tl.arange(0, BN_DX)
-                            dst = (base + B_COMB + slot * H * ES)[:, None] + cols[None, :].to(tl.int64) * ES
-                            tl.store(dst.to(tl.pointer_type(DT)), acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
+                            dst = (tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H)[:, None] + cols[None, :]
+                            tl.store(dst, acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
                             if hb == 0:
                                 ib = tl.arange(0, 16)
                                 dw = tl.zeros([BM], dtype=tl.float32)

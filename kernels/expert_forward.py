@@ -70,7 +70,7 @@ from .queues import locate as _locate, pick as _pick, recv_table as _recv_table
 from .route import router_logits, top_k_routing
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
-    peer_ptr, record_error, signal_add,
+    WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import down_tile, gate_up_tile
 
@@ -228,10 +228,10 @@ def expert_forward_kernel(
                         ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
                         tok = ent // TOP_K
                         slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-                        base = tl.load(peers_ptr + src, mask=row_ok, other=0)
+                        base = peer_base(peers_ptr, src, row_ok)
                         cols = hb * BN_DN + tl.arange(0, BN_DN)
-                        dst = (base + B_COMB + slot * H * ES)[:, None] + cols[None, :].to(tl.int64) * ES
-                        tl.store(dst.to(tl.pointer_type(DT)), (acc * wgt[:, None]).to(DT),
+                        dst = (tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H)[:, None] + cols[None, :]
+                        tl.store(dst, (acc * wgt[:, None]).to(DT),
                                  mask=row_ok[:, None] & (cols < H)[None, :])
                         tl.debug_barrier()
                         arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))

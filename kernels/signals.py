@@ -25,11 +25,32 @@ ERR_DH_EXPERT = tl.constexpr(10)  # backward: waited for the SwiGLU-backward til
 ERR_SHORT = tl.constexpr(11)      # combine: given fewer expert outputs than rows were dispatched
 
 
+# Every fabric hands out workspaces aligned to this many bytes (allocator blocks, symmetric
+# memory, page-aligned mappings); telling the compiler so is what lets loads and stores of
+# workspace rows vectorise (without it, every bf16 element moves on its own).
+WORKSPACE_ALIGN = tl.constexpr(256)
+
+
+@triton.jit
+def peer_base(peers_ptr, rank, mask=None):
+    """``rank``'s workspace base address as int64 (scalar or vector ``rank``), known aligned."""
+    if mask is None:
+        base = tl.load(peers_ptr + rank)
+    else:
+        base = tl.load(peers_ptr + rank, mask=mask, other=0)
+    return tl.multiple_of(base, WORKSPACE_ALIGN)
+
+
 @triton.jit
 def peer_ptr(peers_ptr, rank, byte_offset, DTYPE: tl.constexpr):
-    """Typed pointer ``byte_offset`` bytes into ``rank``'s workspace (scalar or vector rank)."""
-    base = tl.load(peers_ptr + rank)
-    return (base + byte_offset).to(tl.pointer_type(DTYPE))
+    """Typed pointer ``byte_offset`` bytes into ``rank``'s workspace (scalar rank).
+
+    The alignment hint goes on the typed base pointer and the offset is added in elements, so
+    that the compiler keeps the hint (an offset folded into the integer would drop it).
+    """
+    ELEM: tl.constexpr = DTYPE.primitive_bitwidth // 8
+    base = tl.multiple_of(peer_base(peers_ptr, rank).to(tl.pointer_type(DTYPE)), WORKSPACE_ALIGN)
+    return base + byte_offset // ELEM
 
 
 @triton.jit

@@ -27,6 +27,20 @@ import torch
 import torch.distributed as dist
 
 
+# The kernels tell the compiler that every workspace base is a multiple of this (so that rows
+# move in 16-byte vectors); kernels.signals.WORKSPACE_ALIGN is the same number.
+WORKSPACE_ALIGN = 256
+
+
+def _aligned(addresses: list[int], device: torch.device) -> list[int]:
+    if device.type != "cuda":
+        return addresses  # the interpreter does not vectorise; CPU allocations are 64-byte aligned
+    bad = [a for a in addresses if a % WORKSPACE_ALIGN]
+    if bad:
+        raise RuntimeError(f"workspace addresses {bad} are not {WORKSPACE_ALIGN}-byte aligned; the fused kernels need them so")
+    return addresses
+
+
 @dataclass
 class Workspace:
     """One rank's workspace (``local``, uint8) and every rank's base address (``peers``)."""
@@ -95,7 +109,7 @@ class EmulatedWorld:
             # before any kernel of this world runs: later ranks ask while their peers' kernels
             # are already waiting for them, and must not synchronise the device then.
             buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=self.device) for _ in range(self.world_size)]
-            peers = torch.tensor([b.data_ptr() for b in buffers], dtype=torch.int64, device=self.device)
+            peers = torch.tensor(_aligned([b.data_ptr() for b in buffers], self.device), dtype=torch.int64, device=self.device)
             ready = None
             if self.device.type == "cuda":
                 ready = torch.cuda.Event()
@@ -170,7 +184,7 @@ class SharedFileFabric(Fabric):
         maps = [torch.from_file(path(r), shared=True, size=nbytes, dtype=torch.uint8) for r in range(self.world_size)]
         dist.barrier(group=self.group)
         os.unlink(path(self.rank))  # the mappings stay valid; nothing is left behind in /dev/shm
-        peers = torch.tensor([m.data_ptr() for m in maps], dtype=torch.int64)
+        peers = torch.tensor(_aligned([m.data_ptr() for m in maps], self.device), dtype=torch.int64)
         return Workspace(maps[self.rank], peers, keepalive=tuple(maps))
 
 
@@ -191,7 +205,7 @@ class SymmetricMemoryFabric(Fabric):
         buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         buffer.zero_()
         handle = symm_mem.rendezvous(buffer, self.group.group_name)
-        peers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=self.device)
+        peers = torch.tensor(_aligned(list(handle.buffer_ptrs), self.device), dtype=torch.int64, device=self.device)
         torch.cuda.synchronize(self.device)
         dist.barrier(group=self.group)  # every peer's zeroed workspace exists before any kernel runs
         return Workspace(buffer, peers, keepalive=(handle,))
