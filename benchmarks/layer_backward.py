@@ -26,13 +26,14 @@ from kosmos_moe import ExpertLayer
 from kosmos_moe.fabric import EmulatedWorld
 
 
-def saved_bytes(step) -> int:
-    """Bytes of the tensors autograd saves during ``step()``, parameters and duplicates excluded."""
+def saved_bytes(step, module: nn.Module) -> int:
+    """Bytes of the tensors autograd saves during ``step()``; weights (and views of them) and duplicates excluded."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen, total = set(), 0
 
     def pack(t):
         nonlocal total
-        if not isinstance(t, nn.Parameter):
+        if t.untyped_storage().data_ptr() not in weights:
             key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
             if key not in seen:
                 seen.add(key)
@@ -99,7 +100,7 @@ def run_case(name: str, ceil: dict, profile: bool) -> dict:
 
     t_ref = timed(ref_step, warmup=2, iters=6)
     ref_peak = peak_above(ref_step)
-    ref_saved = saved_bytes(lambda: full(x_all))
+    ref_saved = saved_bytes(lambda: full(x_all), full)
     ref_grads = (x_all.grad.float(), full.experts.gate_up_proj.grad.float(), full.experts.down_proj.grad.float(),
                  full.gate.weight.grad.float())
     log(f"[{name}] reference fwd+bwd {t_ref * 1e3:.3f} ms, peak {ref_peak / 2**30:.2f} GiB above the weights")
@@ -121,7 +122,7 @@ def run_case(name: str, ceil: dict, profile: bool) -> dict:
     log(f"[{name}] fused first step (compile + run) {time.time() - t0:.1f} s")
     t_fused = timed(fused_step, warmup=1, iters=6)
     fused_peak = peak_above(fused_step)
-    fused_saved = sum(saved_bytes(lambda r=r: layers[r](xs[r])) for r in range(ranks))
+    fused_saved = sum(saved_bytes(lambda r=r: layers[r](xs[r]), full) for r in range(ranks))
     err = {
         "dx": (torch.cat([x.grad for x in xs]).float() - ref_grads[0]).abs().max().item(),
         "d_gate_up": (torch.cat([layer.experts.gate_up_proj.grad for layer in layers]).float() - ref_grads[1]).abs().max().item(),
