@@ -66,7 +66,7 @@ import triton
 import triton.language as tl
 
 from .profile import now
-from .queues import locate as _locate, pick as _pick, recv_table as _recv_table
+from .queues import dispatch_chunk, locate as _locate, pick as _pick, recv_table as _recv_table
 from .route import router_logits, top_k_routing
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
@@ -158,7 +158,6 @@ def expert_forward_kernel(
 
     w_idx = tl.arange(0, W_PAD)
     el_idx = tl.arange(0, EL_PAD)
-    o_idx = tl.arange(0, O_PAD)
 
     running = 1
     idle = 0
@@ -347,45 +346,10 @@ def expert_forward_kernel(
                                      _pick(fl, w_idx, missing))
                     else:
                         tl.debug_barrier()
-                        d = a - n_route - 1
-                        # Order (local expert, destination): the receivers' consumption order.
-                        o_el = o_idx // W
-                        o_dst = o_idx % W
-                        n_o = tl.load(ctl + C_TABLE + par * W * E + me * E + o_dst * E_L + o_el,
-                                      mask=o_idx < E, other=0)
-                        cum = tl.cumsum(tl.cdiv(n_o, BR), axis=0)
-                        if d < tl.sum(tl.cdiv(n_o, BR), axis=0):
-                            o, first = _locate(cum, o_idx, d)
-                            el = o // W
-                            dst = o % W
-                            e_glob = dst * E_L + el
-                            n_rows_o = _pick(n_o, o_idx, o)
-                            pos = (d - first) * BR + tl.arange(0, BR)
-                            row_ok = pos < n_rows_o
-                            ent = tl.load(ctl + C_SEND_LIST + e_glob.to(tl.int64) * T_MAX + pos, mask=row_ok, other=0)
-                            tok = (ent // TOP_K).to(tl.int64)
-                            # The destination's expert-major slot of each row.
-                            src2 = w_idx[:, None]
-                            el2 = el_idx[None, :]
-                            dst_tab = tl.load(ctl + C_TABLE + par * W * E + src2 * E + dst * E_L + el2,
-                                              mask=(src2 < W) & (el2 < E_L), other=0)
-                            expert_base = tl.sum(tl.sum(tl.where(el2 < el, dst_tab, 0), axis=1), axis=0)
-                            src_off = tl.sum(tl.sum(tl.where((el2 == el) & (src2 < me), dst_tab, 0), axis=1), axis=0)
-                            slot = (expert_base + src_off + pos).to(tl.int64)
-                            if dst != me:  # local rows are read in place by the gate/up tiles
-                                dst_x = peer_ptr(peers_ptr, dst, B_RECV_X, DT)
-                                for h0 in tl.range(0, H, BH):
-                                    cols = h0 + tl.arange(0, BH)
-                                    m2 = row_ok[:, None] & (cols < H)[None, :]
-                                    v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=m2)
-                                    tl.store(dst_x + slot[:, None] * H + cols[None, :], v, mask=m2)
-                            dst_ctl = peer_ptr(peers_ptr, dst, 0, tl.int32)
-                            tl.store(dst_ctl + C_RECV_SRC + slot, tl.zeros_like(ent) + me, mask=row_ok)
-                            tl.store(dst_ctl + C_RECV_ENT + slot, ent, mask=row_ok)
-                            tl.store(peer_ptr(peers_ptr, dst, B_RECV_W, tl.float32) + slot,
-                                     tl.load(topk_w + ent, mask=row_ok, other=0.0), mask=row_ok)
-                            signal_add(dst_ctl + C_ARRIVED + me * E_L + el,
-                                       tl.sum(row_ok.to(tl.int32), axis=0), SCOPE)
+                        dispatch_chunk(ctl, peers_ptr, me, par, a - n_route - 1, x_ptr, x_ptr, topk_w,
+                                       W, W_PAD, E, E_L, EL_PAD, O_PAD, TOP_K, T_MAX, H, BR, BH,
+                                       C_TABLE, C_SEND_LIST, C_RECV_SRC, C_RECV_ENT, C_ARRIVED,
+                                       B_RECV_X, B_RECV_X, B_RECV_W, False, False, SCOPE)
                 did = 1 + (a > n_route) + (a > n_route + 1)  # route 1, count 2, dispatch 3
 
         # ---- SGATE_UP (shared expert): always ready, so it fills idle time ----

@@ -1,7 +1,9 @@
-"""Queue arithmetic shared by the persistent kernels: task lookup in prefix sums, count tables."""
+"""What the persistent kernels share: task lookup in prefix sums, count tables, dispatch chunks."""
 
 import triton
 import triton.language as tl
+
+from .signals import peer_ptr, signal_add
 
 
 @triton.jit
@@ -26,3 +28,63 @@ def recv_table(ctl, par, me, W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constex
     el = tl.arange(0, EL_PAD)[None, :]
     return tl.load(ctl + C_TABLE + par * W * E + src * E + me * E_L + el,
                    mask=(src < W) & (el < E_L), other=0)
+
+
+@triton.jit
+def dispatch_chunk(
+    ctl, peers_ptr, me, par, d, x_ptr, g_ptr, weights_ptr,
+    W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constexpr, E_L: tl.constexpr, EL_PAD: tl.constexpr,
+    O_PAD: tl.constexpr, TOP_K: tl.constexpr, T_MAX: tl.constexpr, H: tl.constexpr,
+    BR: tl.constexpr, BH: tl.constexpr,
+    C_TABLE: tl.constexpr, C_SEND_LIST: tl.constexpr, C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr,
+    C_ARRIVED: tl.constexpr, B_RECV_X: tl.constexpr, B_RECV_G: tl.constexpr, B_RECV_W: tl.constexpr,
+    COPY_LOCAL: tl.constexpr, WITH_G: tl.constexpr, SCOPE: tl.constexpr,
+):
+    """Dispatch chunk ``d`` of this rank: up to BR rows bound for one (destination, local expert).
+
+    Chunks run in (local expert, destination) order, the order in which receivers consume
+    them. Each row lands in the destination's expert-major slot (expert, then source rank,
+    then send-list position), with its source, entry and routing weight; then the
+    destination's arrival counter of (this source, that expert) is raised. Rows of ``x`` (and
+    of ``g`` with WITH_G) are copied, except to this rank itself unless COPY_LOCAL: local rows
+    are read in place by the expert tiles. Needs every rank's counts (count table ``par``).
+    """
+    DT = x_ptr.dtype.element_ty
+    o_idx = tl.arange(0, O_PAD)
+    w_idx = tl.arange(0, W_PAD)
+    el_idx = tl.arange(0, EL_PAD)
+    n_o = tl.load(ctl + C_TABLE + par * W * E + me * E + (o_idx % W) * E_L + o_idx // W, mask=o_idx < E, other=0)
+    cum = tl.cumsum(tl.cdiv(n_o, BR), axis=0)
+    if d < tl.sum(tl.cdiv(n_o, BR), axis=0):
+        o, first = locate(cum, o_idx, d)
+        el = o // W
+        dst = o % W
+        n_rows_o = pick(n_o, o_idx, o)
+        pos = (d - first) * BR + tl.arange(0, BR)
+        row_ok = pos < n_rows_o
+        ent = tl.load(ctl + C_SEND_LIST + (dst * E_L + el).to(tl.int64) * T_MAX + pos, mask=row_ok, other=0)
+        tok = (ent // TOP_K).to(tl.int64)
+        src2 = w_idx[:, None]
+        el2 = el_idx[None, :]
+        dst_tab = tl.load(ctl + C_TABLE + par * W * E + src2 * E + dst * E_L + el2,
+                          mask=(src2 < W) & (el2 < E_L), other=0)
+        expert_base = tl.sum(tl.sum(tl.where(el2 < el, dst_tab, 0), axis=1), axis=0)
+        src_off = tl.sum(tl.sum(tl.where((el2 == el) & (src2 < me), dst_tab, 0), axis=1), axis=0)
+        slot = (expert_base + src_off + pos).to(tl.int64)
+        if (dst != me) | COPY_LOCAL:
+            dst_x = peer_ptr(peers_ptr, dst, B_RECV_X, DT)
+            dst_g = peer_ptr(peers_ptr, dst, B_RECV_G, DT)
+            for h0 in tl.range(0, H, BH):
+                cols = h0 + tl.arange(0, BH)
+                m2 = row_ok[:, None] & (cols < H)[None, :]
+                v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=m2)
+                tl.store(dst_x + slot[:, None] * H + cols[None, :], v, mask=m2)
+                if WITH_G:
+                    v = tl.load(g_ptr + tok[:, None] * H + cols[None, :], mask=m2)
+                    tl.store(dst_g + slot[:, None] * H + cols[None, :], v, mask=m2)
+        dst_ctl = peer_ptr(peers_ptr, dst, 0, tl.int32)
+        tl.store(dst_ctl + C_RECV_SRC + slot, tl.zeros_like(ent) + me, mask=row_ok)
+        tl.store(dst_ctl + C_RECV_ENT + slot, ent, mask=row_ok)
+        tl.store(peer_ptr(peers_ptr, dst, B_RECV_W, tl.float32) + slot,
+                 tl.load(weights_ptr + ent, mask=row_ok, other=0.0), mask=row_ok)
+        signal_add(dst_ctl + C_ARRIVED + me * E_L + el, tl.sum(row_ok.to(tl.int32), axis=0), SCOPE)
