@@ -72,6 +72,20 @@ class WorkspaceLayout:
         return args
 
 
+def _pack(word_sizes: list[tuple[str, int]], byte_sizes: list[tuple[str, int]]):
+    """int32 word indices after the fixed words, then aligned byte offsets; and the total bytes."""
+    words, at = {}, FIXED_WORDS
+    for name, n in word_sizes:
+        words[name] = at
+        at += n
+    words["words"] = at
+    offsets, pos = {}, _round_up(4 * at, _ALIGN)
+    for name, n in byte_sizes:
+        offsets[name] = pos
+        pos = _round_up(pos + n, _ALIGN)
+    return words, offsets, pos
+
+
 FIXED_WORDS = 32  # epoch, exit, abort, route-done, queue heads, error record (kernels.expert_forward)
 
 
@@ -101,11 +115,6 @@ def forward_layout(
         ("recv_src", R),
         ("recv_ent", R),
     ]
-    words, at = {}, FIXED_WORDS
-    for name, n in word_sizes:
-        words[name] = at
-        at += n
-    words["words"] = at
     es = torch.tensor([], dtype=dtype).element_size()
     byte_sizes = [
         ("topk_w", 4 * max_tokens * K),
@@ -115,10 +124,7 @@ def forward_layout(
         ("h_s", es * max_tokens * max(I_s, 1)),
         ("comb", es * max_tokens * slots * H),
     ]
-    offsets, pos = {}, _round_up(4 * at, _ALIGN)
-    for name, n in byte_sizes:
-        offsets[name] = pos
-        pos = _round_up(pos + n, _ALIGN)
+    words, offsets, pos = _pack(word_sizes, byte_sizes)
     if max(words.values()) >= 2**31 or R * max(H, I) >= 2**62:
         raise ValueError("workspace too large to index; lower max_tokens_per_rank")
     return WorkspaceLayout(max_tokens, world, R, tile_cap, words, offsets, pos)
@@ -184,11 +190,6 @@ def backward_layout(
         ("recv_src", R),
         ("recv_ent", R),
     ]
-    words, at = {}, FIXED_WORDS
-    for name, n in word_sizes:
-        words[name] = at
-        at += n
-    words["words"] = at
     es = torch.tensor([], dtype=dtype).element_size()
     byte_sizes = [
         ("recv_w", 4 * R),
@@ -201,10 +202,7 @@ def backward_layout(
         ("dgu", es * R * 2 * I),
         ("comb", es * max_tokens * (K + 1) * H),
     ]
-    offsets, pos = {}, _round_up(4 * at, _ALIGN)
-    for name, n in byte_sizes:
-        offsets[name] = pos
-        pos = _round_up(pos + n, _ALIGN)
+    words, offsets, pos = _pack(word_sizes, byte_sizes)
     if max(words.values()) >= 2**31 or R * 2 * max(H, I) >= 2**62:
         raise ValueError("workspace too large to index; lower max_tokens_per_rank")
     return WorkspaceLayout(max_tokens, world, R, tile_cap, words, offsets, pos)
