@@ -15,7 +15,8 @@ INTERPRET = {"TRITON_INTERPRET": "1"}
 E, K, H = 16, 4, 24
 
 
-def check_buffer(rank, world, counts):
+def check_buffer(rank, world, counts, device="cpu", dtype=torch.float32):
+    """One rank's view of two calls; the GPU test runs it at world 1 on CUDA in bf16 too."""
     from kosmos_moe.deepep_compat import Buffer
 
     buffer = Buffer(dist.group.WORLD if world > 1 else None, int(1e9), max_tokens_per_rank=max(counts) + 1)
@@ -28,7 +29,7 @@ def check_buffer(rank, world, counts):
         topk_idx = torch.topk(scores, K, dim=-1, sorted=False)[1]
         if n > 2:
             topk_idx[2, 1] = -1
-        return x, topk_idx, torch.rand(n, K, generator=g)
+        return x.to(device, dtype), topk_idx.to(device), torch.rand(n, K, generator=g).to(device)
 
     for call in range(2):
         n = counts[rank]
@@ -38,7 +39,8 @@ def check_buffer(rank, world, counts):
 
         # Layout, as DeepEP's test computes it.
         rank_idx = torch.where(topk_idx >= 0, topk_idx // L, -1)
-        want_in_rank = torch.stack([(rank_idx == r).any(1) for r in range(world)], 1) if n else torch.zeros(0, world, dtype=torch.bool)
+        want_in_rank = (torch.stack([(rank_idx == r).any(1) for r in range(world)], 1) if n
+                        else torch.zeros(0, world, dtype=torch.bool, device=device))
         want_per_rank = want_in_rank.sum(0).int()
         want_per_expert = torch.stack([(topk_idx == e).sum() for e in range(E)]).int()
         per_rank, rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, E)

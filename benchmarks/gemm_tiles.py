@@ -1,0 +1,178 @@
+"""The expert-GEMM tiles of the fused kernels on their own, against ``torch._grouped_mm``.
+
+The fused forward runs its expert GEMMs through ``kernels/tile_gemm.py`` from inside a
+persistent kernel. This script launches the same tile functions from a plain grid (one program
+per output tile, no queues, no communication) on the rows the layer would see, so that the
+tile code's own rate can be told apart from what the persistent kernel around it costs.
+
+    python benchmarks/gemm_tiles.py --out gemm_tiles.json
+
+For each shape and tile variant: gate/up and down TFLOP/s with gathered rows (as the fused
+kernel reads its own rank's rows in place) and with contiguous rows, next to
+``torch._grouped_mm`` on the same rows, and the largest difference from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
+
+from kernels.tile_gemm import down_tile, gate_up_tile  # noqa: E402
+
+SHAPES = {
+    # name: (hidden, intermediate, experts, tokens, top_k)
+    "dsv3_rank": (7168, 2048, 32, 4096, 8),
+    "qwen3_rank": (4096, 1536, 16, 4096, 8),
+}
+
+# (rows, gate/up columns, down columns, depth, stages, warps)
+VARIANTS = {
+    "fused_default": (128, 128, 128, 64, 3, 8),
+    "down256": (128, 128, 256, 64, 3, 8),
+    "stages4": (128, 128, 128, 64, 4, 8),
+    "gu64_down256_s4": (128, 64, 256, 64, 4, 8),
+    "bk128_s2": (128, 128, 128, 128, 2, 8),
+    "rows64_w4": (64, 128, 128, 64, 4, 4),
+}
+
+
+@triton.jit
+def _gate_up_grid(x_ptr, token_of_row_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles,
+                  w_gate_up_ptr, h_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                  BK: tl.constexpr, STAGES: tl.constexpr, GATHER: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    pid = tl.program_id(0)
+    ib = pid // n_tiles
+    t = pid % n_tiles  # row tile fastest: programs running together share one weight block
+    row0 = tl.load(tile_row0_ptr + t)
+    n_rows = tl.load(tile_rows_ptr + t)
+    e = tl.load(tile_expert_ptr + t)
+    rows = row0 + tl.arange(0, BM)
+    if GATHER:
+        tok = tl.load(token_of_row_ptr + rows, mask=tl.arange(0, BM) < n_rows, other=0)
+        a_rows = x_ptr + tok.to(tl.int64) * H
+    else:
+        a_rows = x_ptr + rows.to(tl.int64) * H
+    w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+    gate_up_tile(a_rows, n_rows, w_e, w_e + I * H, h_ptr + row0.to(tl.int64) * I, ib * BN,
+                 H, I, BM, BN, BK, DOT_DTYPE, STAGES)
+
+
+@triton.jit
+def _down_grid(h_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles, w_down_ptr, y_ptr,
+               H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    pid = tl.program_id(0)
+    hb = pid // n_tiles
+    t = pid % n_tiles
+    row0 = tl.load(tile_row0_ptr + t)
+    n_rows = tl.load(tile_rows_ptr + t)
+    e = tl.load(tile_expert_ptr + t)
+    acc = down_tile(h_ptr + row0.to(tl.int64) * I, n_rows, w_down_ptr + e.to(tl.int64) * H * I, hb * BN,
+                    I, H, BM, BN, BK, DOT_DTYPE, STAGES)
+    rows = tl.arange(0, BM)
+    cols = hb * BN + tl.arange(0, BN)
+    dst = y_ptr + (row0 + rows).to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < H)[None, :])
+
+
+def tiles_of(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row tile: first row, row count and expert, for expert-major rows with ``counts`` each."""
+    starts = torch.cumsum(counts, 0) - counts
+    row0, n, ex = [], [], []
+    for e, (s, c) in enumerate(zip(starts.tolist(), counts.tolist())):
+        for m in range(0, c, bm):
+            row0.append(s + m)
+            n.append(min(bm, c - m))
+            ex.append(e)
+    as_t = lambda v: torch.tensor(v, dtype=torch.int32, device=counts.device)  # noqa: E731
+    return as_t(row0), as_t(n), as_t(ex)
+
+
+def timed(fn, iters: int = 10) -> float:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3 / iters
+
+
+def run_shape(name: str, variants: dict) -> dict:
+    H, I, E, T, K = SHAPES[name]
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    x = torch.randn(T, H, device=dev, dtype=dt)
+    experts = torch.rand(T, E, device=dev).topk(K, dim=1).indices.reshape(-1)
+    order = torch.argsort(experts, stable=True)
+    token_of_row = (order // K).to(torch.int32)
+    counts = torch.bincount(experts, minlength=E)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = x.index_select(0, token_of_row.long())
+    w_gate_up = torch.randn(E, 2 * I, H, device=dev, dtype=dt) * H**-0.5
+    w_down = torch.randn(E, H, I, device=dev, dtype=dt) * I**-0.5
+    R = rows.shape[0]
+    flops_gu, flops_dn = 2 * R * H * 2 * I, 2 * R * I * H
+
+    gu_ref = torch._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs=offs)
+    h_ref = (torch.nn.functional.silu(gu_ref[:, :I]) * gu_ref[:, I:]).contiguous()
+    y_ref = torch._grouped_mm(h_ref, w_down.transpose(-2, -1), offs=offs)
+    t_gu = timed(lambda: torch._grouped_mm(rows, w_gate_up.transpose(-2, -1), offs=offs))
+    t_dn = timed(lambda: torch._grouped_mm(h_ref, w_down.transpose(-2, -1), offs=offs))
+    out = {"shape": name, "rows": R, "grouped_mm_gate_up_tflops": flops_gu / t_gu / 1e12,
+           "grouped_mm_down_tflops": flops_dn / t_dn / 1e12, "variants": {}}
+    print(f"[{name}] {R} rows; grouped_mm gate/up {out['grouped_mm_gate_up_tflops']:.0f} TFLOP/s, "
+          f"down {out['grouped_mm_down_tflops']:.0f} TFLOP/s", file=sys.stderr, flush=True)
+
+    for label, (bm, bn_gu, bn_dn, bk, stages, warps) in variants.items():
+        row0, n_rows, ex = tiles_of(counts, bm)
+        nt = row0.numel()
+        h = torch.empty(R, I, device=dev, dtype=dt)
+        y = torch.empty(R, H, device=dev, dtype=dt)
+        res = {}
+        for gather in (True, False):
+            src = x if gather else rows
+            launch = lambda: _gate_up_grid[(nt * triton.cdiv(I, bn_gu),)](  # noqa: E731
+                src, token_of_row, row0, n_rows, ex, nt, w_gate_up, h, H, I, bm, bn_gu, bk, stages, gather, tl.bfloat16,
+                num_warps=warps)
+            launch()
+            torch.cuda.synchronize()
+            res["gate_up_gather" if gather else "gate_up_contiguous"] = flops_gu / timed(launch) / 1e12
+            res["h_max_diff"] = (h.float() - h_ref.float()).abs().max().item()
+        launch = lambda: _down_grid[(nt * triton.cdiv(H, bn_dn),)](  # noqa: E731
+            h_ref, row0, n_rows, ex, nt, w_down, y, H, I, bm, bn_dn, bk, stages, tl.bfloat16, num_warps=warps)
+        launch()
+        torch.cuda.synchronize()
+        res["down"] = flops_dn / timed(launch) / 1e12
+        res["y_max_diff"] = (y.float() - y_ref.float()).abs().max().item()
+        out["variants"][label] = res
+        print(f"[{name}/{label}] gate/up gather {res['gate_up_gather']:.0f}, contiguous "
+              f"{res['gate_up_contiguous']:.0f}, down {res['down']:.0f} TFLOP/s "
+              f"(max diff h {res['h_max_diff']:.3g}, y {res['y_max_diff']:.3g})", file=sys.stderr, flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    results = [run_shape(s, {v: VARIANTS[v] for v in args.variants}) for s in args.shapes]
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shapes": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""Standalone dispatch/combine and the DeepEP-compatible Buffer on the GPU.
+
+The exchange runs in emulated worlds of 1, 2, 4 and 8 ranks on one GPU, in bf16 and fp32,
+with a rank that sends nothing and tokens with an empty choice; the received rows must be
+exactly the rows sent (a copy), and combine must match a per-token loop within the rounding
+of one fp32 sum cast to the row dtype. The compat Buffer repeats the CPU test's DeepEP
+semantics at world 1 on CUDA (a one-GPU machine has no second process with its own device).
+"""
+
+import pytest
+import torch
+
+from test_deepep_compat_cpu import check_buffer
+from test_exchange_cpu import E, H, K, batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_round_trip_in_emulated_world(world, dtype):
+    from kosmos_moe.exchange import ExpertExchange
+    from kosmos_moe.fabric import EmulatedWorld
+
+    counts = [37, 0, 130, 5, 64, 1, 99, 12][:world]
+    emulated = EmulatedWorld(world, "cuda")
+    exchanges = [ExpertExchange(E, K, H, max(counts) + 3, emulated.rank(r)) for r in range(world)]
+    L = E // world
+    for call in range(3):  # epochs and both count-table parities
+        xs, idx, ws = batch(counts, seed=call)
+        xs = [x.to("cuda", dtype) for x in xs]
+        idx = [i.cuda() for i in idx]
+        ws = [w.cuda() for w in ws]
+        sent = emulated.run(lambda r, x, i, w: exchanges[r].dispatch(x, i, w), xs, idx, ws)
+        torch.cuda.synchronize()
+        ys = []
+        for rank, (rows, handle) in enumerate(sent):
+            exchanges[rank].launch.raise_if_failed()
+            expected = [xs[s][t] for el in range(L) for s in range(world) for t in range(counts[s])
+                        if (idx[s][t] == rank * L + el).any()]
+            n = int(handle.num_rows)
+            assert n == len(expected)
+            if n:
+                assert torch.equal(rows[:n], torch.stack(expected))
+            expert_of_row = rank * L + torch.repeat_interleave(torch.arange(L, device="cuda"), handle.tokens_per_expert)
+            y = rows.clone()
+            y[:n] = (2 * rows[:n].float() + expert_of_row[:, None]).to(dtype)
+            ys.append(y)
+        outs = emulated.run(lambda r, y, s: exchanges[r].combine(y, s[1]), ys, sent)
+        torch.cuda.synchronize()
+        for rank in range(world):
+            ref = torch.zeros(counts[rank], H, device="cuda")
+            for t in range(counts[rank]):
+                for k in range(K):
+                    e = int(idx[rank][t, k])
+                    if e >= 0:
+                        ref[t] += ws[rank][t, k] * (2 * xs[rank][t].float() + e).to(dtype).float()
+            tol = 8e-3 if dtype == torch.bfloat16 else 1e-5  # one rounding of the fp32 sum to bf16 (2^-8)
+            torch.testing.assert_close(outs[rank].float(), ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_buffer_matches_deepep_semantics_on_cuda(dtype):
+    check_buffer(0, 1, [200], device="cuda", dtype=dtype)
