@@ -3,12 +3,14 @@
     python benchmarks/bench_dispatch_combine.py --out results/dispatch_combine.json
     torchrun --nproc-per-node 8 benchmarks/bench_dispatch_combine.py --out results/dispatch_combine.json
     python benchmarks/bench_dispatch_combine.py --smoke          # CPU check of the script
+    python benchmarks/bench_dispatch_combine.py --sweep 256 512 1024 2048 4096 --out r/dc.json  # + r/dc.png
 
 DeepEP's test shapes by default: 4096 tokens per rank, hidden 7168, top-8 of 256 experts, bf16,
 top-k from random scores. Every path moves the same data: each token once to every rank that
 holds one of its experts (DeepEP's normal-mode semantics), and back summed. Bandwidth follows
 DeepEP's accounting: the bytes of the received rows (``recv_x.numel() * 2``) per second, the
-same figure for combine. Per path: µs and GB/s of dispatch and of combine.
+same figure for combine. Per path: µs and GB/s of dispatch and of combine. ``--sweep`` repeats the measurement
+over several token counts per rank and, with ``--out``, plots GB/s against tokens per rank.
 
 * kosmos: ``ExpertExchange`` over ranks (one "expert" per rank, each token's distinct
   destination ranks as its choices): one persistent launch per direction, no host sync.
@@ -21,14 +23,16 @@ from __future__ import annotations
 
 import argparse
 
-from common import ceilings, environment, init, log, markdown_table, timed, write
+from pathlib import Path
+
+from common import ceilings, environment, init, log, markdown_table, plot, timed, write
 
 import torch
 import torch.distributed as dist
 
 
 def make_inputs(args, device, rank):
-    g = torch.Generator(device=device).manual_seed(rank)
+    g = torch.Generator(device=device).manual_seed(rank + 7919 * args.tokens)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     x = torch.randn(args.tokens, args.hidden, device=device, generator=g).to(dtype)
     scores = torch.randn(args.tokens, args.experts, device=device, generator=g).abs() + 1
@@ -46,16 +50,22 @@ def rank_choices(topk_idx, experts, world):
     return torch.where(order < world, order, -1), in_rank
 
 
+_EXCHANGES: dict = {}
+
+
 def bench_kosmos(args, device, x, rank_idx, world):
     from kosmos_moe.exchange import ExpertExchange
     from kosmos_moe.fabric import default_fabric, SymmetricMemoryFabric
 
     group = dist.group.WORLD
-    if device.type == "cuda":
-        fabric = SymmetricMemoryFabric(group)
-    else:
-        fabric = default_fabric(group if world > 1 else None, device)
-    ex = ExpertExchange(world, rank_idx.shape[1], args.hidden, args.tokens, fabric)
+    key = (world, rank_idx.shape[1], args.hidden, args.max_tokens)
+    if key not in _EXCHANGES:  # one workspace for a whole sweep
+        if device.type == "cuda":
+            fabric = SymmetricMemoryFabric(group)
+        else:
+            fabric = default_fabric(group if world > 1 else None, device)
+        _EXCHANGES[key] = ExpertExchange(world, rank_idx.shape[1], args.hidden, args.max_tokens, fabric)
+    ex = _EXCHANGES[key]
     ones = torch.ones(rank_idx.shape, dtype=torch.float32, device=device)
     rows, handle = ex.dispatch(x, rank_idx, ones)
     n_recv = int(handle.num_rows)
@@ -112,9 +122,41 @@ def bench_deepep(args, device, x, topk_idx):
     return recv_x.shape[0], t_dispatch, t_combine
 
 
+def measure(args, device, world: int, rank: int) -> list[dict]:
+    """Every path at ``args.tokens`` tokens per rank: one row each, kosmos first."""
+    x, topk_idx = make_inputs(args, device, rank)
+    rank_idx, in_rank = rank_choices(topk_idx, args.experts, world)
+    es = x.element_size()
+    rows = []
+
+    def add(path, n_recv, t_d, t_c, **extra):
+        nbytes = n_recv * args.hidden * es
+        rows.append({"path": path, "tokens": args.tokens, "recv_tokens": n_recv, "dispatch_us": t_d * 1e6,
+                     "combine_us": t_c * 1e6, "dispatch_gbps": nbytes / t_d / 1e9, "combine_gbps": nbytes / t_c / 1e9,
+                     **extra})
+        log(f"[{path}] {args.tokens} tokens/rank; rank 0: {n_recv} received, dispatch {t_d * 1e6:.1f} us, "
+            f"combine {t_c * 1e6:.1f} us")
+
+    n, t_d, t_c, err = bench_kosmos(args, device, x, rank_idx, world)
+    add("kosmos", n, t_d, t_c, max_abs_err=err)
+    n, t_d, t_c = bench_nccl(args, device, x, in_rank, world)
+    add("nccl all_to_all_single" if device.type == "cuda" else "gloo all_to_all_single", n, t_d, t_c)
+    try:
+        n, t_d, t_c = bench_deepep(args, device, x, topk_idx)
+        add("deepep", n, t_d, t_c)
+    except ImportError:
+        log("[deepep] not importable here: skipped (build it from https://github.com/deepseek-ai/DeepEP)")
+    base = rows[0]
+    for r in rows:
+        r["kosmos_speedup_dispatch"] = r["dispatch_us"] / base["dispatch_us"]
+        r["kosmos_speedup_combine"] = r["combine_us"] / base["combine_us"]
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--sweep", type=int, nargs="+", default=None, help="token counts per rank (replaces --tokens)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--experts", type=int, default=256)
@@ -131,39 +173,34 @@ def main() -> None:
         raise SystemExit(f"--experts {args.experts} does not divide over {world} ranks")
     ceil = ceilings(device, args.smoke)
     log(f"ceilings: {ceil}")
-    x, topk_idx = make_inputs(args, device, rank)
-    rank_idx, in_rank = rank_choices(topk_idx, args.experts, world)
-    es = x.element_size()
+    token_counts = args.sweep or [args.tokens]
+    if args.smoke and args.sweep:
+        token_counts = [8, 24]
+    args.max_tokens = max(token_counts)
     rows = []
-
-    def add(path, n_recv, t_d, t_c, **extra):
-        nbytes = n_recv * args.hidden * es
-        rows.append({"path": path, "recv_tokens": n_recv, "dispatch_us": t_d * 1e6, "combine_us": t_c * 1e6,
-                     "dispatch_gbps": nbytes / t_d / 1e9, "combine_gbps": nbytes / t_c / 1e9, **extra})
-        log(f"[{path}] rank 0: {n_recv} tokens received, dispatch {t_d * 1e6:.1f} us, combine {t_c * 1e6:.1f} us")
-
-    n, t_d, t_c, err = bench_kosmos(args, device, x, rank_idx, world)
-    add("kosmos", n, t_d, t_c, max_abs_err=err)
-    n, t_d, t_c = bench_nccl(args, device, x, in_rank, world)
-    add("nccl all_to_all_single" if device.type == "cuda" else "gloo all_to_all_single", n, t_d, t_c)
-    try:
-        n, t_d, t_c = bench_deepep(args, device, x, topk_idx)
-        add("deepep", n, t_d, t_c)
-    except ImportError:
-        log("[deepep] not importable here: skipped (build it from https://github.com/deepseek-ai/DeepEP)")
-    base = rows[0]
-    for r in rows:
-        r["kosmos_speedup_dispatch"] = r["dispatch_us"] / base["dispatch_us"]
-        r["kosmos_speedup_combine"] = r["combine_us"] / base["combine_us"]
+    for tokens in token_counts:
+        args.tokens = tokens
+        rows += measure(args, device, world, rank)
     results = {"environment": environment(device), "ceilings": ceil, "args": vars(args), "rows": rows}
     table = markdown_table(rows, [
-        ("path", "path", ""), ("recv_tokens", "recv tokens (rank 0)", "d"),
+        ("path", "path", ""), ("tokens", "tokens/rank", "d"), ("recv_tokens", "recv tokens (rank 0)", "d"),
         ("dispatch_us", "dispatch µs", ".1f"), ("dispatch_gbps", "dispatch GB/s", ".1f"),
         ("combine_us", "combine µs", ".1f"), ("combine_gbps", "combine GB/s", ".1f"),
         ("kosmos_speedup_dispatch", "kosmos speedup (dispatch)", ".2f"),
         ("kosmos_speedup_combine", "kosmos speedup (combine)", ".2f"),
     ])
     write(results, table, args.out)
+    if args.out and len(token_counts) > 1 and rank == 0:
+        series = {}
+        for r in rows:
+            for direction in ("dispatch", "combine"):
+                xs, ys = series.setdefault(f"{r['path']} {direction}", ([], []))
+                xs.append(r["tokens"])
+                ys.append(r[f"{direction}_gbps"])
+        png = str(Path(args.out).with_suffix(".png"))
+        if plot(png, f"dispatch/combine, {world} rank(s), hidden {args.hidden}, top-{args.top_k} of {args.experts}",
+                "tokens per rank", "GB/s (received-row bytes, DeepEP's accounting)", series):
+            log(f"plot: {png}")
     dist.destroy_process_group()
 
 

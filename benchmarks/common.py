@@ -132,6 +132,29 @@ def markdown_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str
     return "\n".join(lines)
 
 
+def plot(path: str, title: str, x_label: str, y_label: str, series: dict[str, tuple[list, list]]) -> bool:
+    """Write a line plot of ``series`` (name: (xs, ys)) as a PNG; False when matplotlib is absent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log(f"matplotlib is not installed: no plot written to {path}")
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for name, (xs, ys) in series.items():
+        ax.plot(xs, ys, marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set(title=title, xlabel=x_label, ylabel=y_label)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
 def write(results: dict, table: str, out: str | None) -> None:
     """Print the table; with ``out``, write ``out`` (JSON) and ``out`` with ``.md`` (table + environment)."""
     if dist.get_rank() != 0:

@@ -35,6 +35,13 @@ def test_script_smoke(script, tmp_path):
         assert measured[0]["path"] == "kosmos" and measured[0]["max_abs_err"] < 1e-4
 
 
+def test_dispatch_combine_sweep_smoke(tmp_path):
+    out = tmp_path / "sweep.json"
+    run("bench_dispatch_combine.py", "--sweep", "8", "24", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted({r["tokens"] for r in rows}) == [8, 24] and all(r["dispatch_gbps"] > 0 for r in rows)
+
+
 def test_e2e_smoke(tmp_path):
     out = tmp_path / "e2e.json"
     run("bench_e2e.py", "--cases", "dsv3_rank", "--backends", "reference", "--seq-len", "16", "--warmup", "0",
