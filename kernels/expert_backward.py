@@ -36,13 +36,15 @@ DWGU, DWD (local expert, output tile) of ``dW[g;u]`` and ``dWd``: each task redu
 DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T x`` over the
           local tokens in order. Ready when every route-backward tile is done.
 
-Why it cannot deadlock: the forward's argument (kernels.expert_forward) carries over. Only
-FEED tasks are claimed before they are ready and each waits only on FEED tasks before it in
-some rank's queue (count exchange on this rank's layout tiles; send-list tiles on this rank's
-count exchange; dispatch chunks on every rank's count exchange and this rank's send lists).
-Readiness follows FEED < DH < DX < RBWD < FOLD and DH < DWGU, DWD; RBWD < DWR, one
-topological order over all ranks, so the earliest unfinished task is always running or
-claimable, with any number of workers per rank.
+Claiming and why it cannot deadlock: as in the forward (kernels.expert_forward). DH, DX,
+RBWD, DWGU/DWD (one ticket for both, dW[g;u] first) and DWR are taken by ticket and run when
+ready, FOLD by compare-and-swap when ready, FEED by fetch-and-add. No worker waits on a ticket
+it holds. Only FEED tasks spin, each on FEED tasks before it in some rank's queue (count
+exchange on this rank's layout tiles; send-list tiles on this rank's count exchange; dispatch
+chunks on every rank's count exchange and this rank's send lists). Readiness follows
+FEED < DH < DX < RBWD < FOLD and DH < DWGU, DWD; RBWD < DWR, one topological order over all
+ranks, so the earliest unfinished task is always running, held by a worker that runs it at
+its next pass, or claimable, with any number of workers per rank.
 
 Epochs, parity, the error record and the reset by the last worker work as in the forward.
 """
@@ -51,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .profile import now
-from .queues import dispatch_chunk, locate, pick, recv_table
+from .queues import dispatch_chunk, locate, pick, recv_table, ticket
 from .route import router_logits, routing_backward
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
@@ -168,6 +170,13 @@ def expert_backward_kernel(
 
     running = 1
     idle = 0
+    # Tickets this worker holds (-1: none); see kernels.expert_forward, "Claiming: tickets".
+    held_dh = -1
+    held_dx = -1
+    held_rb = -1
+    held_wg = -1
+    held_wg_kind = 0
+    held_wr = -1
     while running > 0:
         t_pass = now() if PROFILE else 0
         did = 0
@@ -209,8 +218,10 @@ def expert_backward_kernel(
         # ---- DX ----
         if MODE == 0:
             if did == 0:
-                q = tl.atomic_add(heads + Q_DX, 0, sem="relaxed")
-                if known & (q < n_dx):
+                q = held_dx
+                if known:
+                    q = ticket(heads + Q_DX, held_dx, n_dx)
+                if q >= 0:
                     e, first = locate(cum_dx, el_idx, q)
                     n_tiles_e = pick(tiles_el, el_idx, e)
                     local = q - first
@@ -218,124 +229,129 @@ def expert_backward_kernel(
                     m = local % n_tiles_e
                     tile = pick(tile_start_el, el_idx, e) + m
                     if tl.atomic_add(ctl + C_DH_DONE + tile, 0, sem="acquire", scope="gpu") == N_IB:
-                        if tl.atomic_cas(heads + Q_DX, q, q + 1, sem="relaxed") == q:
-                            tl.debug_barrier()
-                            row0 = pick(row_start_el, el_idx, e) + m * BM
-                            n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
-                            acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
-                                                         w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
-                                                         2 * I, H, BM, BN_DX, BK, DOT_DTYPE, STAGES)
-                            rows = row0 + tl.arange(0, BM)
-                            row_ok = tl.arange(0, BM) < n_rows
-                            src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
-                            ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-                            tok = ent // TOP_K
-                            slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-                            base = peer_base(peers_ptr, src, row_ok)
-                            cols = hb * BN_DX + tl.arange(0, BN_DX)
-                            dst = (tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H)[:, None] + cols[None, :]
-                            tl.store(dst, acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
-                            if hb == 0:
-                                ib = tl.arange(0, 16)
-                                dw = tl.zeros([BM], dtype=tl.float32)
-                                for i0 in tl.static_range(0, N_IB, 16):  # fixed order: deterministic
-                                    part = tl.load(dw_part + rows.to(tl.int64)[:, None] * N_IB + (i0 + ib)[None, :],
-                                                   mask=row_ok[:, None] & ((i0 + ib) < N_IB)[None, :], other=0.0)
-                                    dw += tl.sum(part, axis=1)
-                                dw_dst = (base + B_DW_COMB + ent.to(tl.int64) * 4).to(tl.pointer_type(tl.float32))
-                                tl.store(dw_dst, dw, mask=row_ok)
-                            tl.debug_barrier()
-                            arrive = (base + (C_COMB_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
-                            tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-                            if hb == 0:
-                                dw_arrive = (base + (C_DW_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
-                                tl.atomic_add(dw_arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-                            did = 5
+                        tl.debug_barrier()
+                        row0 = pick(row_start_el, el_idx, e) + m * BM
+                        n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
+                        acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
+                                                     w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
+                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, STAGES)
+                        rows = row0 + tl.arange(0, BM)
+                        row_ok = tl.arange(0, BM) < n_rows
+                        src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+                        ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+                        tok = ent // TOP_K
+                        slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
+                        base = peer_base(peers_ptr, src, row_ok)
+                        cols = hb * BN_DX + tl.arange(0, BN_DX)
+                        dst = (tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H)[:, None] + cols[None, :]
+                        tl.store(dst, acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
+                        if hb == 0:
+                            ib = tl.arange(0, 16)
+                            dw = tl.zeros([BM], dtype=tl.float32)
+                            for i0 in tl.static_range(0, N_IB, 16):  # fixed order: deterministic
+                                part = tl.load(dw_part + rows.to(tl.int64)[:, None] * N_IB + (i0 + ib)[None, :],
+                                               mask=row_ok[:, None] & ((i0 + ib) < N_IB)[None, :], other=0.0)
+                                dw += tl.sum(part, axis=1)
+                            dw_dst = (base + B_DW_COMB + ent.to(tl.int64) * 4).to(tl.pointer_type(tl.float32))
+                            tl.store(dw_dst, dw, mask=row_ok)
+                        tl.debug_barrier()
+                        arrive = (base + (C_COMB_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+                        tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                        if hb == 0:
+                            dw_arrive = (base + (C_DW_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+                            tl.atomic_add(dw_arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                        did = 5
+                        q = -1
+                held_dx = q
 
         # ---- RBWD ----
         if MODE == 0:
             if did == 0:
-                r = tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed")
-                if r < n_lt:
+                r = ticket(heads + Q_RBWD, held_rb, n_lt)
+                if r >= 0:
                     toks = r * BT + tl.arange(0, BT)
                     tok_ok = toks < n_tokens
                     got = tl.atomic_add(ctl + C_DW_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
                     if tl.sum(((got != TOP_K) & tok_ok).to(tl.int32), axis=0) == 0:
-                        if tl.atomic_cas(heads + Q_RBWD, r, r + 1, sem="relaxed") == r:
-                            tl.debug_barrier()
-                            t0 = r * BT
-                            n_rows = tl.minimum(n_tokens - t0, BT)
-                            logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
-                                                   H, E, BT, E_PAD, BK_R, ROUTER_PRECISION)
-                            ok = tok_ok[:, None] & (kk < TOP_K)[None, :]
-                            ent = toks[:, None] * TOP_K + kk[None, :]
-                            experts = tl.load(topk_e_ptr + ent, mask=ok, other=0)
-                            weights = tl.load(topk_w_ptr + ent, mask=ok, other=0.0)
-                            d_w = tl.load(dw_comb + ent, mask=ok, other=0.0)
-                            d_logits = routing_backward(logits, experts, weights, d_w, scale, E, E_PAD, TOP_K, K_PAD,
-                                                        SIGMOID_GROUP, NORM_TOPK)
-                            d_logits = tl.where(tok_ok[:, None], d_logits, 0.0)
-                            t64 = toks.to(tl.int64)
-                            tl.store(dlogits + t64[:, None] * E + e_idx[None, :], d_logits,
-                                     mask=tok_ok[:, None] & (e_idx < E)[None, :])
-                            for h0 in tl.range(0, H, BHR, num_stages=1):  # fp32 [E, BHR] operand: one stage
-                                cols = h0 + tl.arange(0, BHR)
-                                wr = tl.load(router_w_ptr + e_idx[:, None] * H + cols[None, :],
-                                             mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
-                                part = tl.dot(d_logits, wr, input_precision=ROUTER_PRECISION)
-                                tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
-                                         mask=tok_ok[:, None] & (cols < H)[None, :])
-                            tl.debug_barrier()
-                            tl.atomic_add(ctl + C_COMB_ARR + toks, 1, mask=tok_ok, sem="release", scope=SCOPE)
-                            signal_add(ctl + C_RB_DONE, 1, "gpu")
-                            did = 6
+                        tl.debug_barrier()
+                        t0 = r * BT
+                        n_rows = tl.minimum(n_tokens - t0, BT)
+                        logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
+                                               H, E, BT, E_PAD, BK_R, ROUTER_PRECISION)
+                        ok = tok_ok[:, None] & (kk < TOP_K)[None, :]
+                        ent = toks[:, None] * TOP_K + kk[None, :]
+                        experts = tl.load(topk_e_ptr + ent, mask=ok, other=0)
+                        weights = tl.load(topk_w_ptr + ent, mask=ok, other=0.0)
+                        d_w = tl.load(dw_comb + ent, mask=ok, other=0.0)
+                        d_logits = routing_backward(logits, experts, weights, d_w, scale, E, E_PAD, TOP_K, K_PAD,
+                                                    SIGMOID_GROUP, NORM_TOPK)
+                        d_logits = tl.where(tok_ok[:, None], d_logits, 0.0)
+                        t64 = toks.to(tl.int64)
+                        tl.store(dlogits + t64[:, None] * E + e_idx[None, :], d_logits,
+                                 mask=tok_ok[:, None] & (e_idx < E)[None, :])
+                        for h0 in tl.range(0, H, BHR, num_stages=1):  # fp32 [E, BHR] operand: one stage
+                            cols = h0 + tl.arange(0, BHR)
+                            wr = tl.load(router_w_ptr + e_idx[:, None] * H + cols[None, :],
+                                         mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
+                            part = tl.dot(d_logits, wr, input_precision=ROUTER_PRECISION)
+                            tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
+                                     mask=tok_ok[:, None] & (cols < H)[None, :])
+                        tl.debug_barrier()
+                        tl.atomic_add(ctl + C_COMB_ARR + toks, 1, mask=tok_ok, sem="release", scope=SCOPE)
+                        signal_add(ctl + C_RB_DONE, 1, "gpu")
+                        did = 6
+                        r = -1
+                held_rb = r
 
         # ---- DH ----
         if MODE == 0:
             if did == 0:
-                q = tl.atomic_add(heads + Q_DH, 0, sem="relaxed")
-                if known & (q < n_dh):
+                q = held_dh
+                if known:
+                    q = ticket(heads + Q_DH, held_dh, n_dh)
+                if q >= 0:
                     e, first = locate(cum_dh, el_idx, q)
                     n_rows_e = pick(n_el, el_idx, e)
                     arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
                                             sem="acquire", scope=SCOPE)
                     if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
-                        if tl.atomic_cas(heads + Q_DH, q, q + 1, sem="relaxed") == q:
-                            tl.debug_barrier()
-                            n_tiles_e = pick(tiles_el, el_idx, e)
-                            local = q - first
-                            ib = local // n_tiles_e
-                            m = local % n_tiles_e
-                            row0 = pick(row_start_el, el_idx, e) + m * BM
-                            n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                            rows = row0 + tl.arange(0, BM)
-                            row_ok = tl.arange(0, BM) < n_rows
-                            x_rows = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
-                            g_rows = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
-                            w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-                            dh1, a, u = swiglu_backward_tile(x_rows, g_rows, n_rows, w_e, w_e + I * H,
-                                                             w_down_ptr + e.to(tl.int64) * H * I, ib * BN_DH,
-                                                             H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
-                            wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
-                            sig = tl.sigmoid(a)
-                            silu = a * sig
-                            h = silu * u
-                            cols = ib * BN_DH + tl.arange(0, BN_DH)
-                            col_ok = cols < I
-                            m2 = row_ok[:, None] & col_ok[None, :]
-                            part = tl.sum(tl.where(m2, dh1 * h, 0.0), axis=1)
-                            tl.store(dw_part + rows.to(tl.int64) * N_IB + ib, part, mask=row_ok)
-                            dh = dh1 * wgt[:, None]
-                            d_a = dh * u * (sig + silu * (1.0 - sig))
-                            d_u = dh * silu
-                            r64 = rows.to(tl.int64)[:, None]
-                            tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
-                            tl.store(dgu + r64 * (2 * I) + cols[None, :], d_a.to(DT), mask=m2)
-                            tl.store(dgu + r64 * (2 * I) + I + cols[None, :], d_u.to(DT), mask=m2)
-                            tl.debug_barrier()
-                            tl.atomic_add(ctl + C_DH_DONE + pick(tile_start_el, el_idx, e) + m, 1, sem="release", scope="gpu")
-                            tl.atomic_add(ctl + C_DH_EXP + e, 1, sem="release", scope="gpu")
-                            did = 4
+                        tl.debug_barrier()
+                        n_tiles_e = pick(tiles_el, el_idx, e)
+                        local = q - first
+                        ib = local // n_tiles_e
+                        m = local % n_tiles_e
+                        row0 = pick(row_start_el, el_idx, e) + m * BM
+                        n_rows = tl.minimum(n_rows_e - m * BM, BM)
+                        rows = row0 + tl.arange(0, BM)
+                        row_ok = tl.arange(0, BM) < n_rows
+                        x_rows = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                        g_rows = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                        w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+                        dh1, a, u = swiglu_backward_tile(x_rows, g_rows, n_rows, w_e, w_e + I * H,
+                                                         w_down_ptr + e.to(tl.int64) * H * I, ib * BN_DH,
+                                                         H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
+                        wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
+                        sig = tl.sigmoid(a)
+                        silu = a * sig
+                        h = silu * u
+                        cols = ib * BN_DH + tl.arange(0, BN_DH)
+                        col_ok = cols < I
+                        m2 = row_ok[:, None] & col_ok[None, :]
+                        part = tl.sum(tl.where(m2, dh1 * h, 0.0), axis=1)
+                        tl.store(dw_part + rows.to(tl.int64) * N_IB + ib, part, mask=row_ok)
+                        dh = dh1 * wgt[:, None]
+                        d_a = dh * u * (sig + silu * (1.0 - sig))
+                        d_u = dh * silu
+                        r64 = rows.to(tl.int64)[:, None]
+                        tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
+                        tl.store(dgu + r64 * (2 * I) + cols[None, :], d_a.to(DT), mask=m2)
+                        tl.store(dgu + r64 * (2 * I) + I + cols[None, :], d_u.to(DT), mask=m2)
+                        tl.debug_barrier()
+                        tl.atomic_add(ctl + C_DH_DONE + pick(tile_start_el, el_idx, e) + m, 1, sem="release", scope="gpu")
+                        tl.atomic_add(ctl + C_DH_EXP + e, 1, sem="release", scope="gpu")
+                        did = 4
+                        q = -1
+                held_dh = q
 
         # ---- FEED: layout tiles, count exchange, send-list tiles, dispatch chunks ----
         if did == 0:
@@ -425,15 +441,16 @@ def expert_backward_kernel(
         # ---- DWGU / DWD: expert weight gradients, each a full reduction over the expert's rows ----
         if MODE == 0:
             if did == 0:
-                q = tl.atomic_add(heads + Q_DWGU, 0, sem="relaxed")
-                kind = 0
-                if q < n_dwgu:
-                    kind = 1
-                else:
-                    q = tl.atomic_add(heads + Q_DWD, 0, sem="relaxed")
-                    if q < n_dwd:
-                        kind = 2
-                if known & (kind > 0):
+                # One weight-gradient ticket at a time: dW[g;u] tasks first, then dWd.
+                q = held_wg
+                kind = held_wg_kind
+                if known & (q < 0):
+                    q = ticket(heads + Q_DWGU, -1, n_dwgu)
+                    kind = tl.where(q >= 0, 1, 0)
+                    if q < 0:
+                        q = ticket(heads + Q_DWD, -1, n_dwd)
+                        kind = tl.where(q >= 0, 2, 0)
+                if kind > 0:
                     per_e = tl.where(kind == 1, N_WGU_M * N_WGU_N, N_WD_M * N_WD_N)
                     e = q // per_e
                     n_cols_blocks = tl.where(kind == 1, N_WGU_N, N_WD_N)
@@ -442,69 +459,72 @@ def expert_backward_kernel(
                     n_rows_e = pick(n_el, el_idx, e)
                     need = pick(tiles_el, el_idx, e) * N_IB
                     if tl.atomic_add(ctl + C_DH_EXP + e, 0, sem="acquire", scope="gpu") == need:
-                        head = tl.where(kind == 1, Q_DWGU, Q_DWD)
-                        if tl.atomic_cas(heads + head, q, q + 1, sem="relaxed") == q:
-                            tl.debug_barrier()
-                            row_start = pick(row_start_el, el_idx, e)
-                            mcols = mb * BWM + tl.arange(0, BWM)
-                            ncols = nb * BWN + tl.arange(0, BWN)
-                            rr = tl.arange(0, BKW)
-                            acc = tl.zeros([BWM, BWN], dtype=tl.float32)
-                            if kind == 1:
-                                # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h]
-                                for r0 in range(0, n_rows_e, BKW):
-                                    rows = row_start + r0 + rr
-                                    row_ok = (r0 + rr) < n_rows_e
-                                    xp = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
-                                    at = tl.load(dgu + rows.to(tl.int64)[:, None] * (2 * I) + mcols[None, :],
-                                                 mask=row_ok[:, None] & (mcols < 2 * I)[None, :], other=0.0)
-                                    b = tl.load(xp[:, None] + ncols[None, :], mask=row_ok[:, None] & (ncols < H)[None, :],
-                                                other=0.0)
-                                    acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
-                                out = d_gate_up_ptr + e.to(tl.int64) * 2 * I * H + mcols.to(tl.int64)[:, None] * H + ncols[None, :]
-                                tl.store(out, acc.to(d_gate_up_ptr.dtype.element_ty),
-                                         mask=(mcols < 2 * I)[:, None] & (ncols < H)[None, :])
-                            else:
-                                # dWd[h, i] = sum_rows g[row, h] (w h)[row, i]
-                                for r0 in range(0, n_rows_e, BKW):
-                                    rows = row_start + r0 + rr
-                                    row_ok = (r0 + rr) < n_rows_e
-                                    gp = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
-                                    at = tl.load(gp[:, None] + mcols[None, :], mask=row_ok[:, None] & (mcols < H)[None, :],
-                                                 other=0.0)
-                                    b = tl.load(hw + rows.to(tl.int64)[:, None] * I + ncols[None, :],
-                                                mask=row_ok[:, None] & (ncols < I)[None, :], other=0.0)
-                                    acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
-                                out = d_down_ptr + e.to(tl.int64) * H * I + mcols.to(tl.int64)[:, None] * I + ncols[None, :]
-                                tl.store(out, acc.to(d_down_ptr.dtype.element_ty),
-                                         mask=(mcols < H)[:, None] & (ncols < I)[None, :])
-                            did = 8
+                        tl.debug_barrier()
+                        row_start = pick(row_start_el, el_idx, e)
+                        mcols = mb * BWM + tl.arange(0, BWM)
+                        ncols = nb * BWN + tl.arange(0, BWN)
+                        rr = tl.arange(0, BKW)
+                        acc = tl.zeros([BWM, BWN], dtype=tl.float32)
+                        if kind == 1:
+                            # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h]
+                            for r0 in range(0, n_rows_e, BKW):
+                                rows = row_start + r0 + rr
+                                row_ok = (r0 + rr) < n_rows_e
+                                xp = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                                at = tl.load(dgu + rows.to(tl.int64)[:, None] * (2 * I) + mcols[None, :],
+                                             mask=row_ok[:, None] & (mcols < 2 * I)[None, :], other=0.0)
+                                b = tl.load(xp[:, None] + ncols[None, :], mask=row_ok[:, None] & (ncols < H)[None, :],
+                                            other=0.0)
+                                acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
+                            out = d_gate_up_ptr + e.to(tl.int64) * 2 * I * H + mcols.to(tl.int64)[:, None] * H + ncols[None, :]
+                            tl.store(out, acc.to(d_gate_up_ptr.dtype.element_ty),
+                                     mask=(mcols < 2 * I)[:, None] & (ncols < H)[None, :])
+                        else:
+                            # dWd[h, i] = sum_rows g[row, h] (w h)[row, i]
+                            for r0 in range(0, n_rows_e, BKW):
+                                rows = row_start + r0 + rr
+                                row_ok = (r0 + rr) < n_rows_e
+                                gp = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                                at = tl.load(gp[:, None] + mcols[None, :], mask=row_ok[:, None] & (mcols < H)[None, :],
+                                             other=0.0)
+                                b = tl.load(hw + rows.to(tl.int64)[:, None] * I + ncols[None, :],
+                                            mask=row_ok[:, None] & (ncols < I)[None, :], other=0.0)
+                                acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
+                            out = d_down_ptr + e.to(tl.int64) * H * I + mcols.to(tl.int64)[:, None] * I + ncols[None, :]
+                            tl.store(out, acc.to(d_down_ptr.dtype.element_ty),
+                                     mask=(mcols < H)[:, None] & (ncols < I)[None, :])
+                        did = 8
+                        q = -1
+                        kind = 0
+                held_wg = q
+                held_wg_kind = kind
 
         # ---- DWR: the router weight's gradient over this rank's tokens ----
         if MODE == 0:
             if did == 0:
-                q = tl.atomic_add(heads + Q_DWR, 0, sem="relaxed")
-                if q < n_dwr:
+                q = ticket(heads + Q_DWR, held_wr, n_dwr)
+                if q >= 0:
                     if tl.atomic_add(ctl + C_RB_DONE, 0, sem="acquire", scope="gpu") == n_lt:
-                        if tl.atomic_cas(heads + Q_DWR, q, q + 1, sem="relaxed") == q:
-                            tl.debug_barrier()
-                            mb = q // N_WGU_N
-                            nb = q % N_WGU_N
-                            mcols = mb * BWM + tl.arange(0, BWM)
-                            ncols = nb * BWN + tl.arange(0, BWN)
-                            rr = tl.arange(0, BKW)
-                            acc = tl.zeros([BWM, BWN], dtype=tl.float32)
-                            for t0 in tl.range(0, n_tokens, BKW, num_stages=1):  # fp32 operands: one stage
-                                toks = (t0 + rr).to(tl.int64)
-                                ok = (t0 + rr) < n_tokens
-                                at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],
-                                             mask=ok[:, None] & (mcols < E)[None, :], other=0.0)
-                                b = tl.load(x_ptr + toks[:, None] * H + ncols[None, :],
-                                            mask=ok[:, None] & (ncols < H)[None, :], other=0.0).to(tl.float32)
-                                acc = tl.dot(tl.trans(at), b, acc, input_precision=ROUTER_PRECISION)
-                            tl.store(d_router_ptr + mcols[:, None] * H + ncols[None, :], acc,
-                                     mask=(mcols < E)[:, None] & (ncols < H)[None, :])
-                            did = 9
+                        tl.debug_barrier()
+                        mb = q // N_WGU_N
+                        nb = q % N_WGU_N
+                        mcols = mb * BWM + tl.arange(0, BWM)
+                        ncols = nb * BWN + tl.arange(0, BWN)
+                        rr = tl.arange(0, BKW)
+                        acc = tl.zeros([BWM, BWN], dtype=tl.float32)
+                        for t0 in tl.range(0, n_tokens, BKW, num_stages=1):  # fp32 operands: one stage
+                            toks = (t0 + rr).to(tl.int64)
+                            ok = (t0 + rr) < n_tokens
+                            at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],
+                                         mask=ok[:, None] & (mcols < E)[None, :], other=0.0)
+                            b = tl.load(x_ptr + toks[:, None] * H + ncols[None, :],
+                                        mask=ok[:, None] & (ncols < H)[None, :], other=0.0).to(tl.float32)
+                            acc = tl.dot(tl.trans(at), b, acc, input_precision=ROUTER_PRECISION)
+                        tl.store(d_router_ptr + mcols[:, None] * H + ncols[None, :], acc,
+                                 mask=(mcols < E)[:, None] & (ncols < H)[None, :])
+                        did = 9
+                        q = -1
+                held_wr = q
 
         # ---- Nothing taken: finished, aborted, or waiting. ----
         if did == 0:
@@ -519,6 +539,7 @@ def expert_backward_kernel(
                     & (tl.atomic_add(heads + Q_DWR, 0, sem="relaxed") >= n_dwr)
                     & (tl.atomic_add(heads + Q_DH, 0, sem="relaxed") >= n_dh)
                     & (tl.atomic_add(heads + Q_DX, 0, sem="relaxed") >= n_dx)
+                    & (held_dh < 0) & (held_dx < 0) & (held_rb < 0) & (held_wg < 0) & (held_wr < 0)
                 )
             else:
                 # A dispatch call returns only once every row bound for this rank is here.
@@ -534,18 +555,17 @@ def expert_backward_kernel(
                     if known == 0:
                         missing = tl.min(tl.where((flags < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
                         record_error(err, abort, ERR_COUNTS, me, -1, missing, 0, epoch, pick(flags, w_idx, missing))
-                    elif tl.atomic_add(heads + Q_DH, 0, sem="relaxed") < n_dh:
-                        g = tl.atomic_add(heads + Q_DH, 0, sem="relaxed")
+                    elif held_dh >= 0:
+                        g = held_dh
                         e, first = locate(cum_dh, el_idx, g)
                         arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
                                                 sem="acquire", scope=SCOPE)
                         record_error(err, abort, ERR_ROWS, me, g, -1, e, pick(n_el, el_idx, e),
                                      tl.sum(tl.where(w_idx < W, arrived, 0), axis=0))
-                    elif tl.atomic_add(heads + Q_DX, 0, sem="relaxed") < n_dx:
-                        record_error(err, abort, ERR_DH_TILE, me, tl.atomic_add(heads + Q_DX, 0, sem="relaxed"),
-                                     -1, 0, N_IB, 0)
-                    elif tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed") < n_lt:
-                        r = tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed")
+                    elif held_dx >= 0:
+                        record_error(err, abort, ERR_DH_TILE, me, held_dx, -1, 0, N_IB, 0)
+                    elif held_rb >= 0:
+                        r = held_rb
                         toks = r * BT + tl.arange(0, BT)
                         tok_ok = toks < n_tokens
                         got = tl.atomic_add(ctl + C_DW_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)

@@ -35,16 +35,31 @@ FEED      route tiles, then the count exchange, then dispatch chunks; taken with
                               by local expert index, the order in which receivers consume them.
 SGATE_UP  the shared expert's gate/up tiles: always ready, so they fill idle time, last.
 
+Claiming: tickets
+-----------------
+GATE_UP, DOWN and SDOWN are claimed by ticket (``queues.ticket``): a worker takes the next
+task of the queue by fetch-and-add whether or not it is ready, keeps it, and runs it in the
+first pass that finds it ready; in the passes between it goes on down the queue list and runs
+whatever else is ready. A worker holds at most one ticket per queue, so tickets are taken in
+queue order, about one per worker ahead of the work. FOLD is claimed only when ready (a
+compare-and-swap on its head); FEED and SGATE_UP by fetch-and-add, ready by construction.
+Claims by compare-and-swap on a shared head collide: every worker that read the same head
+value retries. With those claims, passes that ran nothing were 44% of the worker time of the
+DeepSeek-V3 one-rank case on the H200 (benchmarks/layer_forward.py's profile), 132 workers
+on one head.
+
 Why it cannot deadlock (DESIGN.md invariant 2)
 ----------------------------------------------
-Only FEED tasks are claimed before they are ready, and a FEED task waits only on FEED tasks
-that precede it in some rank's queue: the count exchange on this rank's route tiles (already
-claimed by running workers, which wait on nothing), a dispatch chunk on every rank's count
-exchange (which waits only on that rank's route tiles). Every other task is claimed only after
-its readiness check passed, so it never waits. Readiness itself follows the order
-FEED < GATE_UP < DOWN < FOLD across all ranks, a single topological order; a worker that finds
-nothing ready re-checks, and the earliest unfinished task in that order is always either
-running or claimable. So the protocol finishes with any number of workers per rank, one
+No worker ever waits on a ticket it holds: each pass it checks it and otherwise runs other
+work, so a held task waits only on its dependencies, never on its holder. The only tasks that
+spin in place are FEED tasks, and a FEED task waits only on FEED tasks that precede it in
+some rank's queue: the count exchange on this rank's route tiles (already claimed by running
+workers, which wait on nothing), a dispatch chunk on every rank's count exchange (which waits
+only on that rank's route tiles). Readiness follows the order FEED < GATE_UP < DOWN < FOLD
+across all ranks, a single topological order. Whatever is earliest unfinished in that order
+has its dependencies done, so it is running, held by a worker that will run it at its next
+pass, or unclaimed and claimable by the next worker with a free slot for that queue (one whose
+ticket there has run). So the protocol finishes with any number of workers per rank, one
 included, provided every rank's kernel is running (the fabric guarantees residency).
 
 Epochs and buffer reuse
@@ -66,7 +81,7 @@ import triton
 import triton.language as tl
 
 from .profile import now
-from .queues import dispatch_chunk, locate as _locate, pick as _pick, recv_table as _recv_table
+from .queues import dispatch_chunk, locate as _locate, pick as _pick, recv_table as _recv_table, ticket as _ticket
 from .route import router_logits, top_k_routing
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
@@ -161,6 +176,9 @@ def expert_forward_kernel(
 
     running = 1
     idle = 0
+    held_gu = -1   # the ticket this worker holds in each claimed-by-ticket queue (-1: none)
+    held_dn = -1
+    held_sdn = -1
     while running > 0:
         t_pass = now() if PROFILE else 0
         did = 0  # the kind of task this pass ran (0: none); see PROFILE_SLOTS
@@ -203,8 +221,10 @@ def expert_forward_kernel(
 
         # ---- DOWN (routed) ----
         if did == 0:
-            q = tl.atomic_add(heads + Q_DOWN, 0, sem="relaxed")
-            if known & (q < n_dn):
+            q = held_dn
+            if known:
+                q = _ticket(heads + Q_DOWN, held_dn, n_dn)
+            if q >= 0:
                 e, first = _locate(cum_dn, el_idx, q)
                 n_rows_e = _pick(n_el, el_idx, e)
                 n_tiles_e = _pick(tiles_el, el_idx, e)
@@ -213,81 +233,86 @@ def expert_forward_kernel(
                 m = local % n_tiles_e
                 tile = _pick(tile_start_el, el_idx, e) + m
                 if tl.atomic_add(ctl + C_GU_DONE + tile, 0, sem="acquire", scope="gpu") == N_IB:
-                    if tl.atomic_cas(heads + Q_DOWN, q, q + 1, sem="relaxed") == q:
-                        tl.debug_barrier()
-                        row0 = _pick(row_start_el, el_idx, e) + m * BM
-                        n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                        acc = down_tile(h_r + row0.to(tl.int64) * I, n_rows,
-                                        w_down_ptr + e.to(tl.int64) * H * I, hb * BN_DN,
-                                        I, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
-                        rows = row0 + tl.arange(0, BM)
-                        row_ok = tl.arange(0, BM) < n_rows
-                        wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
-                        src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
-                        ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-                        tok = ent // TOP_K
-                        slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-                        base = peer_base(peers_ptr, src, row_ok)
-                        cols = hb * BN_DN + tl.arange(0, BN_DN)
-                        dst = (tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H)[:, None] + cols[None, :]
-                        tl.store(dst, (acc * wgt[:, None]).to(DT),
-                                 mask=row_ok[:, None] & (cols < H)[None, :])
-                        tl.debug_barrier()
-                        arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
-                        tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-                        did = 5
+                    tl.debug_barrier()
+                    row0 = _pick(row_start_el, el_idx, e) + m * BM
+                    n_rows = tl.minimum(n_rows_e - m * BM, BM)
+                    acc = down_tile(h_r + row0.to(tl.int64) * I, n_rows,
+                                    w_down_ptr + e.to(tl.int64) * H * I, hb * BN_DN,
+                                    I, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                    rows = row0 + tl.arange(0, BM)
+                    row_ok = tl.arange(0, BM) < n_rows
+                    wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
+                    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+                    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+                    tok = ent // TOP_K
+                    slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
+                    base = peer_base(peers_ptr, src, row_ok)
+                    cols = hb * BN_DN + tl.arange(0, BN_DN)
+                    dst = (tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H)[:, None] + cols[None, :]
+                    tl.store(dst, (acc * wgt[:, None]).to(DT),
+                             mask=row_ok[:, None] & (cols < H)[None, :])
+                    tl.debug_barrier()
+                    arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+                    tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                    q = -1
+                    did = 5
+            held_dn = q
 
         # ---- SDOWN (shared expert) ----
         if did == 0:
-            q = tl.atomic_add(heads + Q_SDOWN, 0, sem="relaxed")
-            if q < n_sdn:
+            q = _ticket(heads + Q_SDOWN, held_sdn, n_sdn)
+            if q >= 0:
                 hb = q // n_tiles_s
                 m = q % n_tiles_s
                 if tl.atomic_add(ctl + C_GU_DONE + TILE_CAP + m, 0, sem="acquire", scope="gpu") == N_IB_S:
-                    if tl.atomic_cas(heads + Q_SDOWN, q, q + 1, sem="relaxed") == q:
-                        tl.debug_barrier()
-                        t0 = m * BM
-                        n_rows = tl.minimum(n_tokens - t0, BM)
-                        acc = down_tile(h_s + t0.to(tl.int64) * I_S, n_rows, s_down_ptr, hb * BN_DN,
-                                        I_S, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
-                        toks = t0 + tl.arange(0, BM)
-                        row_ok = tl.arange(0, BM) < n_rows
-                        cols = hb * BN_DN + tl.arange(0, BN_DN)
-                        dst = comb + (toks.to(tl.int64) * SLOTS + TOP_K)[:, None] * H + cols[None, :]
-                        tl.store(dst, acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
-                        signal_add(ctl + C_COMB_ARR + me * T_MAX + toks, tl.where(row_ok, 1, 0), "gpu")
-                        did = 7
+                    tl.debug_barrier()
+                    t0 = m * BM
+                    n_rows = tl.minimum(n_tokens - t0, BM)
+                    acc = down_tile(h_s + t0.to(tl.int64) * I_S, n_rows, s_down_ptr, hb * BN_DN,
+                                    I_S, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                    toks = t0 + tl.arange(0, BM)
+                    row_ok = tl.arange(0, BM) < n_rows
+                    cols = hb * BN_DN + tl.arange(0, BN_DN)
+                    dst = comb + (toks.to(tl.int64) * SLOTS + TOP_K)[:, None] * H + cols[None, :]
+                    tl.store(dst, acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
+                    signal_add(ctl + C_COMB_ARR + me * T_MAX + toks, tl.where(row_ok, 1, 0), "gpu")
+                    q = -1
+                    did = 7
+            held_sdn = q
 
         # ---- GATE_UP (routed) ----
         if did == 0:
-            g = tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed")
-            if known & (g < n_gu):
+            g = held_gu
+            if known:
+                g = _ticket(heads + Q_GATE_UP, held_gu, n_gu)
+            if g >= 0:
                 e, first = _locate(cum_gu, el_idx, g)
                 n_rows_e = _pick(n_el, el_idx, e)
                 arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
                                         sem="acquire", scope=SCOPE)
                 if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
-                    if tl.atomic_cas(heads + Q_GATE_UP, g, g + 1, sem="relaxed") == g:
-                        tl.debug_barrier()
-                        n_tiles_e = _pick(tiles_el, el_idx, e)
-                        local = g - first
-                        ib = local // n_tiles_e
-                        m = local % n_tiles_e
-                        row0 = _pick(row_start_el, el_idx, e) + m * BM
-                        n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                        w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-                        # Rows from this rank were never copied: read them where they are.
-                        rows = row0 + tl.arange(0, BM)
-                        row_ok = tl.arange(0, BM) < n_rows
-                        src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
-                        ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-                        a_rows = tl.where(src == me, x_ptr + (ent // TOP_K).to(tl.int64) * H,
-                                          recv_x + rows.to(tl.int64) * H)
-                        gate_up_tile(a_rows, n_rows, w_e, w_e + I * H,
-                                     h_r + row0.to(tl.int64) * I, ib * BN_GU,
-                                     H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
-                        signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
-                        did = 4
+                    tl.debug_barrier()
+                    n_tiles_e = _pick(tiles_el, el_idx, e)
+                    local = g - first
+                    ib = local // n_tiles_e
+                    m = local % n_tiles_e
+                    row0 = _pick(row_start_el, el_idx, e) + m * BM
+                    n_rows = tl.minimum(n_rows_e - m * BM, BM)
+                    w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+                    # Rows from this rank were never copied: read them where they are.
+                    rows = row0 + tl.arange(0, BM)
+                    row_ok = tl.arange(0, BM) < n_rows
+                    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+                    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+                    a_rows = tl.where(src == me, x_ptr + (ent // TOP_K).to(tl.int64) * H,
+                                      recv_x + rows.to(tl.int64) * H)
+                    gate_up_tile(a_rows, n_rows, w_e, w_e + I * H,
+                                 h_r + row0.to(tl.int64) * I, ib * BN_GU,
+                                 H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                    signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
+                    g = -1
+                    did = 4
+            held_gu = g
 
         # ---- FEED: route tiles, count exchange, dispatch chunks ----
         if did == 0:
@@ -376,6 +401,7 @@ def expert_forward_kernel(
                 & known
                 & (tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed") >= n_gu)
                 & (tl.atomic_add(heads + Q_DOWN, 0, sem="relaxed") >= n_dn)
+                & (held_gu < 0) & (held_dn < 0) & (held_sdn < 0)
             )
             if finished:
                 running = 0
@@ -386,19 +412,16 @@ def expert_forward_kernel(
                     if known == 0:
                         missing = tl.min(tl.where((flags < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
                         record_error(err, abort, ERR_COUNTS, me, -1, missing, 0, epoch, _pick(flags, w_idx, missing))
-                    elif tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed") < n_gu:
-                        g = tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed")
-                        e, first = _locate(cum_gu, el_idx, g)
+                    elif held_gu >= 0:
+                        e, first = _locate(cum_gu, el_idx, held_gu)
                         arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
                                                 sem="acquire", scope=SCOPE)
-                        record_error(err, abort, ERR_ROWS, me, g, -1, e, _pick(n_el, el_idx, e),
+                        record_error(err, abort, ERR_ROWS, me, held_gu, -1, e, _pick(n_el, el_idx, e),
                                      tl.sum(tl.where(w_idx < W, arrived, 0), axis=0))
-                    elif tl.atomic_add(heads + Q_DOWN, 0, sem="relaxed") < n_dn:
-                        record_error(err, abort, ERR_GATE_UP, me, tl.atomic_add(heads + Q_DOWN, 0, sem="relaxed"),
-                                     -1, 0, N_IB, 0)
-                    elif tl.atomic_add(heads + Q_SDOWN, 0, sem="relaxed") < n_sdn:
-                        record_error(err, abort, ERR_SHARED, me, tl.atomic_add(heads + Q_SDOWN, 0, sem="relaxed"),
-                                     -1, 0, N_IB_S, 0)
+                    elif held_dn >= 0:
+                        record_error(err, abort, ERR_GATE_UP, me, held_dn, -1, 0, N_IB, 0)
+                    elif held_sdn >= 0:
+                        record_error(err, abort, ERR_SHARED, me, held_sdn, -1, 0, N_IB_S, 0)
                     else:
                         f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
                         toks = f * BTF + tl.arange(0, BTF)

@@ -13,6 +13,24 @@ def pick(vec, idx, i):
 
 
 @triton.jit
+def ticket(head, held, n):
+    """This worker's task of a queue of ``n``: the one it holds, else the next unclaimed one, else -1.
+
+    A worker takes a ticket by fetch-and-add whether or not the task is ready, runs it once it
+    is, and meanwhile goes on with other queues: claims never collide (a compare-and-swap on
+    the head does, once per worker and task, with every worker that read the same head), and
+    no worker ever waits on the task it holds. The peek keeps the head from running far past
+    ``n`` when every task is taken.
+    """
+    t = held
+    if t < 0:
+        if tl.atomic_add(head, 0, sem="relaxed") < n:
+            t = tl.atomic_add(head, 1, sem="relaxed")
+            t = tl.where(t < n, t, -1)
+    return t
+
+
+@triton.jit
 def locate(cum, idx, task):
     """For an inclusive prefix sum ``cum``: the bucket holding ``task`` and its first task."""
     bucket = tl.sum((cum <= task).to(tl.int32), axis=0)
