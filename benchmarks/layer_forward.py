@@ -203,11 +203,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--tiles", action="store_true", help="also run the tile variants on each case")
+    parser.add_argument("--variants", nargs="+", choices=list(TILE_VARIANTS), default=None,
+                        help="run these tile variants (implies --tiles)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     ceil = ceilings()
     log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
     variants = TILE_VARIANTS if args.tiles else {"default": GPU_TILES}
+    if args.variants:
+        variants = {name: TILE_VARIANTS[name] for name in args.variants}
     results = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "cases": []}
     for name in args.cases:
         results["cases"].append(run_case(name, ceil, variants))
