@@ -133,6 +133,7 @@ def expert_backward_kernel(
     N_IB: tl.constexpr = (I + BN_DH - 1) // BN_DH
     N_HB: tl.constexpr = (H + BN_DX - 1) // BN_DX
     EXPECT_PER_TOKEN: tl.constexpr = TOP_K * N_HB + 1
+    PREFIX_ROWS: tl.constexpr = 32 if E_PAD <= 256 else 8   # an [rows, E_PAD] int32 block in registers
     N_WGU_M: tl.constexpr = (2 * I + BWM - 1) // BWM
     N_WGU_N: tl.constexpr = (H + BWN - 1) // BWN
     N_WD_M: tl.constexpr = (H + BWM - 1) // BWM
@@ -382,11 +383,16 @@ def expert_backward_kernel(
                         record_error(err, abort, ERR_LAYOUT, me, a, me, 0, n_lt, done)
                     else:
                         tl.debug_barrier()
+                        # Exclusive prefix over the tiles, PREFIX_ROWS tiles per step: one
+                        # dependent round trip per step rather than per tile.
                         running_sum = tl.zeros([E_PAD], dtype=tl.int32)
-                        for j in range(0, n_lt):
-                            hj = tl.load(ctl + C_HIST + j * E + e_idx, mask=e_idx < E, other=0)
-                            tl.store(ctl + C_HIST + j * E + e_idx, running_sum, mask=e_idx < E)
-                            running_sum += hj
+                        jj = tl.arange(0, PREFIX_ROWS)
+                        for j0 in range(0, n_lt, PREFIX_ROWS):
+                            hist = ctl + C_HIST + (j0 + jj)[:, None] * E + e_idx[None, :]
+                            m_h = ((j0 + jj) < n_lt)[:, None] & (e_idx < E)[None, :]
+                            hj = tl.load(hist, mask=m_h, other=0)
+                            tl.store(hist, tl.cumsum(hj, axis=0) - hj + running_sum[None, :], mask=m_h)
+                            running_sum += tl.sum(hj, axis=0)
                         signal_add(ctl + C_PREFIX, 1, "gpu")
                         for dst in tl.static_range(W):
                             peer_table = peer_ptr(peers_ptr, dst, (C_TABLE + par * W * E + me * E) * 4, tl.int32)
