@@ -41,7 +41,7 @@ class Tiles:
     dispatch_cols: int = 512     # BH: columns per copy step
     rows: int = 128              # BM: rows per expert tile
     gate_up_cols: int = 128      # BN of the gate/up tiles (two accumulators)
-    down_cols: int = 128         # BN of the down tiles
+    down_cols: int = 256         # BN of the down tiles: 554 vs 440 TFLOP/s at 128 (benchmarks/gemm_tiles.py, H200)
     depth: int = 64              # BK
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
