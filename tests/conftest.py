@@ -3,3 +3,13 @@ from pathlib import Path
 
 # The oracle and the multi-process helpers live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_runtest_logreport(report):
+    """Print a failure's report as soon as the test fails, not in the summary at the end.
+
+    GPU runs have a hard time limit: a run cut short by it would otherwise lose every failure
+    message, since pytest writes them only once the whole session ends.
+    """
+    if report.failed:
+        print(f"\n---- {report.nodeid} ({report.when}) failed:\n{report.longreprtext}\n", file=sys.stderr, flush=True)
