@@ -29,7 +29,11 @@ FEED      claimed without a readiness check, in order: layout tiles (histogram o
           every peer), send-list tiles (each (token, k) at its token-ordered place in its
           expert's send list), then dispatch chunks (x rows and g rows of one (destination,
           expert) in receiver order). Token order makes the row order of every expert, and so
-          every reduction below, the same from run to run.
+          every reduction below, the same from run to run. Rows bound for this rank are
+          copied too (the forward reads them in place): the weight-gradient reductions step
+          through rows, and gathered row reads there (an index load feeding each step's
+          addresses) kept the compiler from pipelining the loop (sm_90 TTGIR: a full wait on
+          every copy each step).
 DWGU, DWD (local expert, output tile) of ``dW[g;u]`` and ``dWd``: each task reduces over all of
           the expert's rows in slot order (deterministic, no atomics). Ready when every
           SwiGLU-backward tile of the expert is done; experts without rows write zeros.
@@ -82,15 +86,6 @@ C_LAYOUT_B = tl.constexpr(5)   # send-list tiles done
 C_RB_DONE = tl.constexpr(6)    # route-backward tiles done
 C_HEADS = tl.constexpr(8)
 C_ERR = tl.constexpr(16)
-
-
-@triton.jit
-def _row_ptrs(ctl, rows, row_ok, me, local_ptr, recv_ptr,
-              C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, TOP_K: tl.constexpr, H: tl.constexpr):
-    """Pointers to received rows: rows from this rank are read where they are, in the input."""
-    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
-    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-    return tl.where(src == me, local_ptr + (ent // TOP_K).to(tl.int64) * H, recv_ptr + rows.to(tl.int64) * H)
 
 
 @triton.jit
@@ -325,8 +320,8 @@ def expert_backward_kernel(
                         n_rows = tl.minimum(n_rows_e - m * BM, BM)
                         rows = row0 + tl.arange(0, BM)
                         row_ok = tl.arange(0, BM) < n_rows
-                        x_rows = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
-                        g_rows = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                        x_rows = recv_x + rows.to(tl.int64) * H
+                        g_rows = recv_g + rows.to(tl.int64) * H
                         w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
                         dh1, a, u = swiglu_backward_tile(x_rows, g_rows, n_rows, w_e, w_e + I * H,
                                                          w_down_ptr + e.to(tl.int64) * H * I, ib * BN_DH,
@@ -441,7 +436,7 @@ def expert_backward_kernel(
                         dispatch_chunk(ctl, peers_ptr, me, par, a - 2 * n_lt - 1, x_ptr, g_ptr, topk_w_ptr,
                                        W, W_PAD, E, E_L, EL_PAD, O_PAD, TOP_K, T_MAX, H, BR, BH,
                                        C_TABLE, C_SEND_LIST, C_RECV_SRC, C_RECV_ENT, C_ARRIVED,
-                                       B_RECV_X, B_RECV_G, B_RECV_W, MODE == 1, MODE == 0, SCOPE)
+                                       B_RECV_X, B_RECV_G, B_RECV_W, True, MODE == 0, SCOPE)
                     did = 3
 
         # ---- DWGU / DWD: expert weight gradients, each a full reduction over the expert's rows ----
@@ -476,7 +471,7 @@ def expert_backward_kernel(
                             for r0 in range(0, n_rows_e, BKW):
                                 rows = row_start + r0 + rr
                                 row_ok = (r0 + rr) < n_rows_e
-                                xp = _row_ptrs(ctl, rows, row_ok, me, x_ptr, recv_x, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                                xp = recv_x + rows.to(tl.int64) * H
                                 at = tl.load(dgu + rows.to(tl.int64)[:, None] * (2 * I) + mcols[None, :],
                                              mask=row_ok[:, None] & (mcols < 2 * I)[None, :], other=0.0)
                                 b = tl.load(xp[:, None] + ncols[None, :], mask=row_ok[:, None] & (ncols < H)[None, :],
@@ -490,7 +485,7 @@ def expert_backward_kernel(
                             for r0 in range(0, n_rows_e, BKW):
                                 rows = row_start + r0 + rr
                                 row_ok = (r0 + rr) < n_rows_e
-                                gp = _row_ptrs(ctl, rows, row_ok, me, g_ptr, recv_g, C_RECV_SRC, C_RECV_ENT, TOP_K, H)
+                                gp = recv_g + rows.to(tl.int64) * H
                                 at = tl.load(gp[:, None] + mcols[None, :], mask=row_ok[:, None] & (mcols < H)[None, :],
                                              other=0.0)
                                 b = tl.load(hw + rows.to(tl.int64)[:, None] * I + ncols[None, :],
