@@ -76,6 +76,16 @@ Q_FOLD = tl.constexpr(4)
 Q_DWGU = tl.constexpr(5)
 Q_DWD = tl.constexpr(6)
 Q_DWR = tl.constexpr(7)
+# One bit per queue in a worker's ``open_q`` (see kernels.expert_forward).
+OPEN_FEED = tl.constexpr(1 << 0)
+OPEN_DH = tl.constexpr(1 << 1)
+OPEN_DX = tl.constexpr(1 << 2)
+OPEN_RBWD = tl.constexpr(1 << 3)
+OPEN_FOLD = tl.constexpr(1 << 4)
+OPEN_DWGU = tl.constexpr(1 << 5)
+OPEN_DWD = tl.constexpr(1 << 6)
+OPEN_DWR = tl.constexpr(1 << 7)
+ALL_OPEN = tl.constexpr((1 << 8) - 1)
 
 C_EPOCH = tl.constexpr(0)
 C_EXIT = tl.constexpr(1)
@@ -173,14 +183,19 @@ def expert_backward_kernel(
     held_wg = -1
     held_wg_kind = 0
     held_wr = -1
+    # Queues this worker still visits, and the counts once known: as in the forward.
+    open_q = ALL_OPEN
+    known = tl.sum(w_idx, axis=0) < 0  # false; a tensor, since it is carried by the loop
+    flags = tl.zeros([W_PAD], dtype=tl.int32)
+    table = tl.zeros([W_PAD, EL_PAD], dtype=tl.int32)
     while running > 0:
         t_pass = now() if PROFILE else 0
         did = 0
-        flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-        known = tl.sum(((flags >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
-        tl.debug_barrier()
-        table = recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE)
-        table = tl.where(known, table, 0)
+        if known == 0:
+            flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
+            known = tl.sum(((flags >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+            tl.debug_barrier()
+            table = tl.where(known, recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE), 0)
         n_el = tl.sum(table, axis=0)
         tiles_el = tl.cdiv(n_el, BM)
         tile_start_el = tl.cumsum(tiles_el, axis=0) - tiles_el
@@ -192,7 +207,11 @@ def expert_backward_kernel(
 
         # ---- FOLD ----
         if MODE == 0:
-            f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+            f = n_fold
+            if (open_q & OPEN_FOLD) != 0:
+                f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+                if f >= n_fold:
+                    open_q = open_q & ~OPEN_FOLD
             if f < n_fold:
                 toks = f * BTF + tl.arange(0, BTF)
                 tok_ok = toks < n_tokens
@@ -215,8 +234,10 @@ def expert_backward_kernel(
         if MODE == 0:
             if did == 0:
                 q = held_dx
-                if known:
-                    q = ticket(heads + Q_DX, held_dx, n_dx)
+                if known & ((open_q & OPEN_DX) != 0) & (held_dx < 0):
+                    q = ticket(heads + Q_DX, -1, n_dx)
+                    if q < 0:
+                        open_q = open_q & ~OPEN_DX
                 if q >= 0:
                     e, first = locate(cum_dx, el_idx, q)
                     n_tiles_e = pick(tiles_el, el_idx, e)
@@ -263,7 +284,11 @@ def expert_backward_kernel(
         # ---- RBWD ----
         if MODE == 0:
             if did == 0:
-                r = ticket(heads + Q_RBWD, held_rb, n_lt)
+                r = held_rb
+                if ((open_q & OPEN_RBWD) != 0) & (held_rb < 0):
+                    r = ticket(heads + Q_RBWD, -1, n_lt)
+                    if r < 0:
+                        open_q = open_q & ~OPEN_RBWD
                 if r >= 0:
                     toks = r * BT + tl.arange(0, BT)
                     tok_ok = toks < n_tokens
@@ -303,8 +328,10 @@ def expert_backward_kernel(
         if MODE == 0:
             if did == 0:
                 q = held_dh
-                if known:
-                    q = ticket(heads + Q_DH, held_dh, n_dh)
+                if known & ((open_q & OPEN_DH) != 0) & (held_dh < 0):
+                    q = ticket(heads + Q_DH, -1, n_dh)
+                    if q < 0:
+                        open_q = open_q & ~OPEN_DH
                 if q >= 0:
                     e, first = locate(cum_dh, el_idx, q)
                     n_rows_e = pick(n_el, el_idx, e)
@@ -350,8 +377,10 @@ def expert_backward_kernel(
                 held_dh = q
 
         # ---- FEED: layout tiles, count exchange, send-list tiles, dispatch chunks ----
-        if did == 0:
-            if tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") < n_feed:
+        if (did == 0) & ((open_q & OPEN_FEED) != 0):
+            if tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") >= n_feed:
+                open_q = open_q & ~OPEN_FEED
+            else:
                 a = tl.atomic_add(heads + Q_FEED, 1, sem="relaxed")
                 if a < n_lt:
                     # Layout tile: per-expert histogram of BT tokens, each choice's rank in it.
@@ -445,12 +474,16 @@ def expert_backward_kernel(
                 # One weight-gradient ticket at a time: dW[g;u] tasks first, then dWd.
                 q = held_wg
                 kind = held_wg_kind
-                if known & (q < 0):
+                if known & (q < 0) & ((open_q & OPEN_DWGU) != 0):
                     q = ticket(heads + Q_DWGU, -1, n_dwgu)
                     kind = tl.where(q >= 0, 1, 0)
                     if q < 0:
-                        q = ticket(heads + Q_DWD, -1, n_dwd)
-                        kind = tl.where(q >= 0, 2, 0)
+                        open_q = open_q & ~OPEN_DWGU
+                if known & (q < 0) & ((open_q & OPEN_DWD) != 0):
+                    q = ticket(heads + Q_DWD, -1, n_dwd)
+                    kind = tl.where(q >= 0, 2, 0)
+                    if q < 0:
+                        open_q = open_q & ~OPEN_DWD
                 if kind > 0:
                     per_e = tl.where(kind == 1, N_WGU_M * N_WGU_N, N_WD_M * N_WD_N)
                     e = q // per_e
@@ -503,7 +536,11 @@ def expert_backward_kernel(
         # ---- DWR: the router weight's gradient over this rank's tokens ----
         if MODE == 0:
             if did == 0:
-                q = ticket(heads + Q_DWR, held_wr, n_dwr)
+                q = held_wr
+                if ((open_q & OPEN_DWR) != 0) & (held_wr < 0):
+                    q = ticket(heads + Q_DWR, -1, n_dwr)
+                    if q < 0:
+                        open_q = open_q & ~OPEN_DWR
                 if q >= 0:
                     if tl.atomic_add(ctl + C_RB_DONE, 0, sem="acquire", scope="gpu") == n_lt:
                         tl.debug_barrier()
@@ -529,17 +566,11 @@ def expert_backward_kernel(
 
         # ---- Nothing taken: finished, aborted, or waiting. ----
         if did == 0:
-            finished = (tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") >= n_feed) & known
+            # A pass that ran nothing visited every queue of its mode, so open_q is current.
+            finished = ((open_q & OPEN_FEED) == 0) & known
             if MODE == 0:
                 finished = (
-                    finished
-                    & (tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed") >= n_fold)
-                    & (tl.atomic_add(heads + Q_RBWD, 0, sem="relaxed") >= n_lt)
-                    & (tl.atomic_add(heads + Q_DWGU, 0, sem="relaxed") >= n_dwgu)
-                    & (tl.atomic_add(heads + Q_DWD, 0, sem="relaxed") >= n_dwd)
-                    & (tl.atomic_add(heads + Q_DWR, 0, sem="relaxed") >= n_dwr)
-                    & (tl.atomic_add(heads + Q_DH, 0, sem="relaxed") >= n_dh)
-                    & (tl.atomic_add(heads + Q_DX, 0, sem="relaxed") >= n_dx)
+                    (open_q == 0) & known
                     & (held_dh < 0) & (held_dx < 0) & (held_rb < 0) & (held_wg < 0) & (held_wr < 0)
                 )
             else:

@@ -101,6 +101,14 @@ Q_DOWN = tl.constexpr(2)
 Q_SGATE_UP = tl.constexpr(3)
 Q_SDOWN = tl.constexpr(4)
 Q_FOLD = tl.constexpr(5)
+# One bit per queue in a worker's ``open_q``.
+OPEN_FEED = tl.constexpr(1 << 0)
+OPEN_GATE_UP = tl.constexpr(1 << 1)
+OPEN_DOWN = tl.constexpr(1 << 2)
+OPEN_SGATE_UP = tl.constexpr(1 << 3)
+OPEN_SDOWN = tl.constexpr(1 << 4)
+OPEN_FOLD = tl.constexpr(1 << 5)
+ALL_OPEN = tl.constexpr((1 << 6) - 1)
 
 # Fixed control words (int32 indices into a rank's workspace).
 C_EPOCH = tl.constexpr(0)
@@ -179,15 +187,23 @@ def expert_forward_kernel(
     held_gu = -1   # the ticket this worker holds in each claimed-by-ticket queue (-1: none)
     held_dn = -1
     held_sdn = -1
+    # Bit q set: queue q may still have unclaimed tasks. A worker clears it when it finds the
+    # queue's head at its end (the task counts are fixed once the counts are known), and then
+    # skips the queue: every pass of a short task would otherwise pay a round trip per queue.
+    open_q = ALL_OPEN
+    # What this rank receives: read every pass until every peer's counts are in, then kept
+    # (peers write the next call's counts into the other parity).
+    known = tl.sum(w_idx, axis=0) < 0  # false; a tensor, since it is carried by the loop
+    flags = tl.zeros([W_PAD], dtype=tl.int32)
+    table = tl.zeros([W_PAD, EL_PAD], dtype=tl.int32)
     while running > 0:
         t_pass = now() if PROFILE else 0
         did = 0  # the kind of task this pass ran (0: none); see PROFILE_SLOTS
-        # ---- What this rank receives, once every peer's counts are in. ----
-        flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-        known = tl.sum(((flags >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
-        tl.debug_barrier()
-        table = _recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE)
-        table = tl.where(known, table, 0)
+        if known == 0:
+            flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
+            known = tl.sum(((flags >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+            tl.debug_barrier()
+            table = tl.where(known, _recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE), 0)
         n_el = tl.sum(table, axis=0)                      # rows per local expert
         tiles_el = tl.cdiv(n_el, BM)
         tile_start_el = tl.cumsum(tiles_el, axis=0) - tiles_el
@@ -198,7 +214,11 @@ def expert_forward_kernel(
         n_dn = tl.sum(tiles_el * N_HB, axis=0)
 
         # ---- FOLD ----
-        f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+        f = n_fold
+        if (open_q & OPEN_FOLD) != 0:
+            f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+            if f >= n_fold:
+                open_q = open_q & ~OPEN_FOLD
         if f < n_fold:
             toks = f * BTF + tl.arange(0, BTF)
             tok_ok = toks < n_tokens
@@ -222,8 +242,10 @@ def expert_forward_kernel(
         # ---- DOWN (routed) ----
         if did == 0:
             q = held_dn
-            if known:
-                q = _ticket(heads + Q_DOWN, held_dn, n_dn)
+            if known & ((open_q & OPEN_DOWN) != 0) & (held_dn < 0):
+                q = _ticket(heads + Q_DOWN, -1, n_dn)
+                if q < 0:
+                    open_q = open_q & ~OPEN_DOWN
             if q >= 0:
                 e, first = _locate(cum_dn, el_idx, q)
                 n_rows_e = _pick(n_el, el_idx, e)
@@ -260,7 +282,11 @@ def expert_forward_kernel(
 
         # ---- SDOWN (shared expert) ----
         if did == 0:
-            q = _ticket(heads + Q_SDOWN, held_sdn, n_sdn)
+            q = held_sdn
+            if ((open_q & OPEN_SDOWN) != 0) & (held_sdn < 0):
+                q = _ticket(heads + Q_SDOWN, -1, n_sdn)
+                if q < 0:
+                    open_q = open_q & ~OPEN_SDOWN
             if q >= 0:
                 hb = q // n_tiles_s
                 m = q % n_tiles_s
@@ -283,8 +309,10 @@ def expert_forward_kernel(
         # ---- GATE_UP (routed) ----
         if did == 0:
             g = held_gu
-            if known:
-                g = _ticket(heads + Q_GATE_UP, held_gu, n_gu)
+            if known & ((open_q & OPEN_GATE_UP) != 0) & (held_gu < 0):
+                g = _ticket(heads + Q_GATE_UP, -1, n_gu)
+                if g < 0:
+                    open_q = open_q & ~OPEN_GATE_UP
             if g >= 0:
                 e, first = _locate(cum_gu, el_idx, g)
                 n_rows_e = _pick(n_el, el_idx, e)
@@ -315,8 +343,10 @@ def expert_forward_kernel(
             held_gu = g
 
         # ---- FEED: route tiles, count exchange, dispatch chunks ----
-        if did == 0:
-            if tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") < n_feed:
+        if (did == 0) & ((open_q & OPEN_FEED) != 0):
+            if tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") >= n_feed:
+                open_q = open_q & ~OPEN_FEED
+            else:
                 a = tl.atomic_add(heads + Q_FEED, 1, sem="relaxed")
                 if a < n_route:
                     # Route tile: logits, top-k, and this rank's send lists.
@@ -378,8 +408,10 @@ def expert_forward_kernel(
                 did = 1 + (a > n_route) + (a > n_route + 1)  # route 1, count 2, dispatch 3
 
         # ---- SGATE_UP (shared expert): always ready, so it fills idle time ----
-        if did == 0:
-            if tl.atomic_add(heads + Q_SGATE_UP, 0, sem="relaxed") < n_sgu:
+        if (did == 0) & ((open_q & OPEN_SGATE_UP) != 0):
+            if tl.atomic_add(heads + Q_SGATE_UP, 0, sem="relaxed") >= n_sgu:
+                open_q = open_q & ~OPEN_SGATE_UP
+            else:
                 g = tl.atomic_add(heads + Q_SGATE_UP, 1, sem="relaxed")
                 if g < n_sgu:
                     ib = g // n_tiles_s
@@ -393,16 +425,8 @@ def expert_forward_kernel(
 
         # ---- Nothing taken: finished, aborted, or waiting. ----
         if did == 0:
-            finished = (
-                (tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") >= n_feed)
-                & (tl.atomic_add(heads + Q_SGATE_UP, 0, sem="relaxed") >= n_sgu)
-                & (tl.atomic_add(heads + Q_SDOWN, 0, sem="relaxed") >= n_sdn)
-                & (tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed") >= n_fold)
-                & known
-                & (tl.atomic_add(heads + Q_GATE_UP, 0, sem="relaxed") >= n_gu)
-                & (tl.atomic_add(heads + Q_DOWN, 0, sem="relaxed") >= n_dn)
-                & (held_gu < 0) & (held_dn < 0) & (held_sdn < 0)
-            )
+            # A pass that ran nothing visited every queue, so open_q is current.
+            finished = (open_q == 0) & known & (held_gu < 0) & (held_dn < 0) & (held_sdn < 0)
             if finished:
                 running = 0
             else:
