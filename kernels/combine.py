@@ -11,14 +11,16 @@ SEND  one per BM received rows, in slot order: each row times its routing weight
       WEIGHTED) goes straight into its source rank's combine buffer, then the source's
       per-token counter is raised. Always ready.
 
-FOLD waits only on SEND tasks, which wait on nothing, so with any number of workers the
-earliest unfinished task is running or claimable. Counters are reset by the last worker of
+FOLD is taken by ticket (a worker holds its fold and sends rows until it is ready), SEND by
+fetch-and-add. FOLD waits only on SEND tasks, which wait on nothing, so with any number of
+workers the earliest unfinished task is running, held or claimable. Counters are reset by the last worker of
 this rank, after its fold has seen every peer's write of this call.
 """
 
 import triton
 import triton.language as tl
 
+from .queues import ticket
 from .signals import ERR_COMBINE, ERR_SHORT, WORKSPACE_ALIGN, peer_base, peer_ptr, record_error
 
 Q_SEND = tl.constexpr(0)
@@ -66,10 +68,11 @@ def combine_kernel(
         record_error(err, abort, ERR_SHORT, me, 0, -1, 0, n_rows, y_rows)
         running = 0
     idle = 0
+    held_f = -1  # this worker's fold ticket (see kernels.expert_forward, "Claiming: tickets")
     while running > 0:
         did = 0
-        f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
-        if f < n_fold:
+        f = ticket(heads + Q_FOLD, held_f, n_fold)
+        if f >= 0:
             toks = f * BTF + tl.arange(0, BTF)
             tok_ok = toks < n_tokens
             valid = tl.load(topk_e_ptr + toks[:, None] * TOP_K + kk[None, :],
@@ -77,19 +80,20 @@ def combine_kernel(
             expect = tl.sum(valid.to(tl.int32), axis=1)
             got = tl.atomic_add(ctl + C_COMB_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
             if tl.sum(((got != expect) & tok_ok).to(tl.int32), axis=0) == 0:
-                if tl.atomic_cas(heads + Q_FOLD, f, f + 1, sem="relaxed") == f:
-                    tl.debug_barrier()
-                    t64 = toks.to(tl.int64)
-                    for h0 in tl.range(0, H, BHF):
-                        cols = h0 + tl.arange(0, BHF)
-                        m2 = tok_ok[:, None] & (cols < H)[None, :]
-                        acc = tl.zeros([BTF, BHF], dtype=tl.float32)
-                        for s in tl.static_range(TOP_K):
-                            v_s = tl.sum(tl.where(kk[None, :] == s, valid.to(tl.int32), 0), axis=1) > 0
-                            acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
-                                           mask=m2 & v_s[:, None], other=0.0).to(tl.float32)
-                        tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
-                    did = 2
+                tl.debug_barrier()
+                t64 = toks.to(tl.int64)
+                for h0 in tl.range(0, H, BHF):
+                    cols = h0 + tl.arange(0, BHF)
+                    m2 = tok_ok[:, None] & (cols < H)[None, :]
+                    acc = tl.zeros([BTF, BHF], dtype=tl.float32)
+                    for s in tl.static_range(TOP_K):
+                        v_s = tl.sum(tl.where(kk[None, :] == s, valid.to(tl.int32), 0), axis=1) > 0
+                        acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
+                                       mask=m2 & v_s[:, None], other=0.0).to(tl.float32)
+                    tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
+                did = 2
+                f = -1
+        held_f = f
         if did == 0:
             if tl.atomic_add(heads + Q_SEND, 0, sem="relaxed") < n_send:
                 q = tl.atomic_add(heads + Q_SEND, 1, sem="relaxed")
@@ -117,12 +121,12 @@ def combine_kernel(
         if did == 0:
             if (tl.atomic_add(heads + Q_SEND, 0, sem="relaxed") >= n_send) & (
                 tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed") >= n_fold
-            ):
+            ) & (held_f < 0):
                 running = 0
             else:
                 idle += 1
                 if idle > wait_bound:
-                    f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+                    f = tl.where(held_f >= 0, held_f, tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed"))
                     toks = f * BTF + tl.arange(0, BTF)
                     tok_ok = toks < n_tokens
                     valid = tl.load(topk_e_ptr + toks[:, None] * TOP_K + kk[None, :],

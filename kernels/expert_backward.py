@@ -40,9 +40,9 @@ DWGU, DWD (local expert, output tile) of ``dW[g;u]`` and ``dWd``: each task redu
 DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T x`` over the
           local tokens in order. Ready when every route-backward tile is done.
 
-Claiming and why it cannot deadlock: as in the forward (kernels.expert_forward). DH, DX,
-RBWD, DWGU/DWD (one ticket for both, dW[g;u] first) and DWR are taken by ticket and run when
-ready, FOLD by compare-and-swap when ready, FEED by fetch-and-add. No worker waits on a ticket
+Claiming and why it cannot deadlock: as in the forward (kernels.expert_forward). FOLD, DH,
+DX, RBWD, DWGU/DWD (one ticket for both, dW[g;u] first) and DWR are taken by ticket and run
+when ready, FEED by fetch-and-add. No worker waits on a ticket
 it holds. Only FEED tasks spin, each on FEED tasks before it in some rank's queue (count
 exchange on this rank's layout tiles; send-list tiles on this rank's count exchange; dispatch
 chunks on every rank's count exchange and this rank's send lists). Readiness follows
@@ -183,6 +183,7 @@ def expert_backward_kernel(
     held_wg = -1
     held_wg_kind = 0
     held_wr = -1
+    held_f = -1
     # Queues this worker still visits, and the counts once known: as in the forward.
     open_q = ALL_OPEN
     known = tl.sum(w_idx, axis=0) < 0  # false; a tensor, since it is carried by the loop
@@ -207,28 +208,30 @@ def expert_backward_kernel(
 
         # ---- FOLD ----
         if MODE == 0:
-            f = n_fold
-            if (open_q & OPEN_FOLD) != 0:
-                f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
-                if f >= n_fold:
+            f = held_f
+            if ((open_q & OPEN_FOLD) != 0) & (held_f < 0):
+                f = ticket(heads + Q_FOLD, -1, n_fold)
+                if f < 0:
                     open_q = open_q & ~OPEN_FOLD
-            if f < n_fold:
+            if f >= 0:
                 toks = f * BTF + tl.arange(0, BTF)
                 tok_ok = toks < n_tokens
                 got = tl.atomic_add(ctl + C_COMB_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
                 if tl.sum(((got != EXPECT_PER_TOKEN) & tok_ok).to(tl.int32), axis=0) == 0:
-                    if tl.atomic_cas(heads + Q_FOLD, f, f + 1, sem="relaxed") == f:
-                        tl.debug_barrier()
-                        t64 = toks.to(tl.int64)
-                        for h0 in tl.range(0, H, BHF):
-                            cols = h0 + tl.arange(0, BHF)
-                            m2 = tok_ok[:, None] & (cols < H)[None, :]
-                            acc = tl.zeros([BTF, BHF], dtype=tl.float32)
-                            for s in tl.static_range(SLOTS):
-                                acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
-                                               mask=m2, other=0.0).to(tl.float32)
-                            tl.store(dx_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
-                        did = 7
+                    tl.debug_barrier()
+                    t64 = toks.to(tl.int64)
+                    for h0 in tl.range(0, H, BHF):
+                        cols = h0 + tl.arange(0, BHF)
+                        m2 = tok_ok[:, None] & (cols < H)[None, :]
+                        acc = tl.zeros([BTF, BHF], dtype=tl.float32)
+                        for s in tl.static_range(SLOTS):
+                            acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
+                                           mask=m2, other=0.0).to(tl.float32)
+                        tl.store(dx_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
+                    did = 7
+                    f = -1
+
+            held_f = f
 
         # ---- DX ----
         if MODE == 0:
@@ -571,7 +574,7 @@ def expert_backward_kernel(
             if MODE == 0:
                 finished = (
                     (open_q == 0) & known
-                    & (held_dh < 0) & (held_dx < 0) & (held_rb < 0) & (held_wg < 0) & (held_wr < 0)
+                    & (held_dh < 0) & (held_dx < 0) & (held_rb < 0) & (held_wg < 0) & (held_wr < 0) & (held_f < 0)
                 )
             else:
                 # A dispatch call returns only once every row bound for this rank is here.
@@ -603,8 +606,8 @@ def expert_backward_kernel(
                         got = tl.atomic_add(ctl + C_DW_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
                         bad = tl.min(tl.where((got != TOP_K) & tok_ok, toks, n_tokens), axis=0)
                         record_error(err, abort, ERR_DW, me, r, -1, bad, TOP_K, pick(got, toks, bad))
-                    elif tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed") < n_fold:
-                        f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+                    elif held_f >= 0:
+                        f = held_f
                         toks = f * BTF + tl.arange(0, BTF)
                         tok_ok = toks < n_tokens
                         got = tl.atomic_add(ctl + C_COMB_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)

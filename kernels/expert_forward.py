@@ -37,12 +37,12 @@ SGATE_UP  the shared expert's gate/up tiles: always ready, so they fill idle tim
 
 Claiming: tickets
 -----------------
-GATE_UP, DOWN and SDOWN are claimed by ticket (``queues.ticket``): a worker takes the next
-task of the queue by fetch-and-add whether or not it is ready, keeps it, and runs it in the
-first pass that finds it ready; in the passes between it goes on down the queue list and runs
-whatever else is ready. A worker holds at most one ticket per queue, so tickets are taken in
-queue order, about one per worker ahead of the work. FOLD is claimed only when ready (a
-compare-and-swap on its head); FEED and SGATE_UP by fetch-and-add, ready by construction.
+FOLD, DOWN, SDOWN and GATE_UP are claimed by ticket (``queues.ticket``): a worker takes the
+next task of the queue by fetch-and-add whether or not it is ready, keeps it, and runs it in
+the first pass that finds it ready; in the passes between it goes on down the queue list and
+runs whatever else is ready. A worker holds at most one ticket per queue, so tickets are taken
+in queue order, about one per worker ahead of the work. FEED and SGATE_UP are claimed by
+fetch-and-add too, and are ready by construction.
 Claims by compare-and-swap on a shared head collide: every worker that read the same head
 value retries. With such claims, passes that ran nothing took 6.4 of the 14.6 ms of the
 DeepSeek-V3 one-rank forward on the H200 (132 workers; benchmarks/layer_forward.py's
@@ -187,6 +187,7 @@ def expert_forward_kernel(
     held_gu = -1   # the ticket this worker holds in each claimed-by-ticket queue (-1: none)
     held_dn = -1
     held_sdn = -1
+    held_f = -1
     # Bit q set: queue q may still have unclaimed tasks. A worker clears it when it finds the
     # queue's head at its end (the task counts are fixed once the counts are known), and then
     # skips the queue: every pass of a short task would otherwise pay a round trip per queue.
@@ -214,30 +215,32 @@ def expert_forward_kernel(
         n_dn = tl.sum(tiles_el * N_HB, axis=0)
 
         # ---- FOLD ----
-        f = n_fold
-        if (open_q & OPEN_FOLD) != 0:
-            f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
-            if f >= n_fold:
+        f = held_f
+        if ((open_q & OPEN_FOLD) != 0) & (held_f < 0):
+            f = _ticket(heads + Q_FOLD, -1, n_fold)
+            if f < 0:
                 open_q = open_q & ~OPEN_FOLD
-        if f < n_fold:
+        if f >= 0:
             toks = f * BTF + tl.arange(0, BTF)
             tok_ok = toks < n_tokens
             arr = tl.atomic_add(ctl + C_COMB_ARR + w_idx[:, None] * T_MAX + toks[None, :], 0,
                                 mask=(w_idx[:, None] < W) & tok_ok[None, :], sem="acquire", scope=SCOPE)
             got = tl.sum(arr, axis=0)
             if tl.sum(((got != EXPECT_PER_TOKEN) & tok_ok).to(tl.int32), axis=0) == 0:
-                if tl.atomic_cas(heads + Q_FOLD, f, f + 1, sem="relaxed") == f:
-                    tl.debug_barrier()
-                    t64 = toks.to(tl.int64)
-                    for h0 in tl.range(0, H, BHF):
-                        cols = h0 + tl.arange(0, BHF)
-                        m2 = tok_ok[:, None] & (cols < H)[None, :]
-                        acc = tl.zeros([BTF, BHF], dtype=tl.float32)
-                        for s in tl.static_range(SLOTS):
-                            acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
-                                           mask=m2, other=0.0).to(tl.float32)
-                        tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
-                    did = 8
+                tl.debug_barrier()
+                t64 = toks.to(tl.int64)
+                for h0 in tl.range(0, H, BHF):
+                    cols = h0 + tl.arange(0, BHF)
+                    m2 = tok_ok[:, None] & (cols < H)[None, :]
+                    acc = tl.zeros([BTF, BHF], dtype=tl.float32)
+                    for s in tl.static_range(SLOTS):
+                        acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
+                                       mask=m2, other=0.0).to(tl.float32)
+                    tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
+                did = 8
+                f = -1
+
+        held_f = f
 
         # ---- DOWN (routed) ----
         if did == 0:
@@ -426,7 +429,7 @@ def expert_forward_kernel(
         # ---- Nothing taken: finished, aborted, or waiting. ----
         if did == 0:
             # A pass that ran nothing visited every queue, so open_q is current.
-            finished = (open_q == 0) & known & (held_gu < 0) & (held_dn < 0) & (held_sdn < 0)
+            finished = (open_q == 0) & known & (held_gu < 0) & (held_dn < 0) & (held_sdn < 0) & (held_f < 0)
             if finished:
                 running = 0
             else:
@@ -447,7 +450,7 @@ def expert_forward_kernel(
                     elif held_sdn >= 0:
                         record_error(err, abort, ERR_SHARED, me, held_sdn, -1, 0, N_IB_S, 0)
                     else:
-                        f = tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed")
+                        f = tl.where(held_f >= 0, held_f, tl.atomic_add(heads + Q_FOLD, 0, sem="relaxed"))
                         toks = f * BTF + tl.arange(0, BTF)
                         tok_ok = toks < n_tokens
                         arr = tl.atomic_add(ctl + C_COMB_ARR + w_idx[:, None] * T_MAX + toks[None, :], 0,
