@@ -24,7 +24,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
 
-from kernels.tile_gemm import down_tile, gate_up_tile  # noqa: E402
+from kosmos_moe.kernels.tile_gemm import down_tile, gate_up_tile  # noqa: E402
 
 SHAPES = {
     # name: (hidden, intermediate, experts, tokens, top_k)
