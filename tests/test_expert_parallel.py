@@ -50,8 +50,13 @@ def check_equivalence(rank: int, world: int, case: str, counts: list[int], skew:
     out = ep(x)
     (out * all_ct[rank]).sum().backward()
 
-    # fp64 experts, fp32 routing weights: compare at fp32 precision.
-    close = dict(rtol=1e-5, atol=1e-6)
+    # fp64 experts, fp32 routing weights: compare at fp32 precision. The router's fp32 logits
+    # are sums in a different order on each side (a GEMM over other rows), so they may differ
+    # by an ulp of their magnitude, and the routing weights move by as much relative: with the
+    # skewed router's logits near 100 that is ~1e-5, well above an O(1) logit's rounding.
+    logits = torch.cat(all_x) @ full.gate.weight.double().t()
+    logit_scale = logits.abs().max().item() if logits.numel() else 0.0
+    close = dict(rtol=1e-5, atol=1e-6 * max(1.0, logit_scale))
     start = sum(counts[:rank])
     torch.testing.assert_close(out, ref_out[start:start + counts[rank]], **close)
     torch.testing.assert_close(x.grad, x_full.grad[start:start + counts[rank]], **close)
