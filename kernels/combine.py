@@ -20,7 +20,7 @@ this rank, after its fold has seen every peer's write of this call.
 import triton
 import triton.language as tl
 
-from .queues import ticket
+from .queues import fold_block, ticket
 from .signals import ERR_COMBINE, ERR_SHORT, WORKSPACE_ALIGN, peer_base, peer_ptr, record_error
 
 Q_SEND = tl.constexpr(0)
@@ -81,16 +81,7 @@ def combine_kernel(
             got = tl.atomic_add(ctl + C_COMB_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
             if tl.sum(((got != expect) & tok_ok).to(tl.int32), axis=0) == 0:
                 tl.debug_barrier()
-                t64 = toks.to(tl.int64)
-                for h0 in tl.range(0, H, BHF):
-                    cols = h0 + tl.arange(0, BHF)
-                    m2 = tok_ok[:, None] & (cols < H)[None, :]
-                    acc = tl.zeros([BTF, BHF], dtype=tl.float32)
-                    for s in tl.static_range(TOP_K):
-                        v_s = tl.sum(tl.where(kk[None, :] == s, valid.to(tl.int32), 0), axis=1) > 0
-                        acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
-                                       mask=m2 & v_s[:, None], other=0.0).to(tl.float32)
-                    tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
+                fold_block(comb, out_ptr, toks, tok_ok, valid, H, SLOTS, TOP_K, BTF, BHF, K_PAD, True)
                 did = 2
                 f = -1
         held_f = f

@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from .profile import now
-from .queues import dispatch_chunk, locate, pick, recv_table, ticket
+from .queues import dispatch_chunk, fold_block, locate, pick, recv_table, ticket
 from .route import router_logits, routing_backward
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
@@ -219,15 +219,7 @@ def expert_backward_kernel(
                 got = tl.atomic_add(ctl + C_COMB_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
                 if tl.sum(((got != EXPECT_PER_TOKEN) & tok_ok).to(tl.int32), axis=0) == 0:
                     tl.debug_barrier()
-                    t64 = toks.to(tl.int64)
-                    for h0 in tl.range(0, H, BHF):
-                        cols = h0 + tl.arange(0, BHF)
-                        m2 = tok_ok[:, None] & (cols < H)[None, :]
-                        acc = tl.zeros([BTF, BHF], dtype=tl.float32)
-                        for s in tl.static_range(SLOTS):
-                            acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
-                                           mask=m2, other=0.0).to(tl.float32)
-                        tl.store(dx_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
+                    fold_block(comb, dx_ptr, toks, tok_ok, tok_ok, H, SLOTS, SLOTS, BTF, BHF, K_PAD, False)
                     did = 7
                     f = -1
 

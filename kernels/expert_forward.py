@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 
 from .profile import now
-from .queues import dispatch_chunk, locate as _locate, pick as _pick, recv_table as _recv_table, ticket as _ticket
+from .queues import dispatch_chunk, fold_block, locate as _locate, pick as _pick, recv_table as _recv_table, ticket as _ticket
 from .route import router_logits, top_k_routing
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
@@ -228,15 +228,7 @@ def expert_forward_kernel(
             got = tl.sum(arr, axis=0)
             if tl.sum(((got != EXPECT_PER_TOKEN) & tok_ok).to(tl.int32), axis=0) == 0:
                 tl.debug_barrier()
-                t64 = toks.to(tl.int64)
-                for h0 in tl.range(0, H, BHF):
-                    cols = h0 + tl.arange(0, BHF)
-                    m2 = tok_ok[:, None] & (cols < H)[None, :]
-                    acc = tl.zeros([BTF, BHF], dtype=tl.float32)
-                    for s in tl.static_range(SLOTS):
-                        acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :],
-                                       mask=m2, other=0.0).to(tl.float32)
-                    tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(DT), mask=m2)
+                fold_block(comb, out_ptr, toks, tok_ok, tok_ok, H, SLOTS, SLOTS, BTF, BHF, K_PAD, False)
                 did = 8
                 f = -1
 

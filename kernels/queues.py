@@ -1,4 +1,4 @@
-"""What the persistent kernels share: task lookup in prefix sums, count tables, dispatch chunks."""
+"""What the persistent kernels share: tickets, task lookup in prefix sums, count tables, dispatch chunks, folds."""
 
 import triton
 import triton.language as tl
@@ -106,3 +106,25 @@ def dispatch_chunk(
         tl.store(peer_ptr(peers_ptr, dst, B_RECV_W, tl.float32) + slot,
                  tl.load(weights_ptr + ent, mask=row_ok, other=0.0), mask=row_ok)
         signal_add(dst_ctl + C_ARRIVED + me * E_L + el, tl.sum(row_ok.to(tl.int32), axis=0), SCOPE)
+
+
+@triton.jit
+def fold_block(comb, out_ptr, toks, tok_ok, valid, H: tl.constexpr, SLOTS: tl.constexpr, N_SUM: tl.constexpr,
+               BTF: tl.constexpr, BHF: tl.constexpr, K_PAD: tl.constexpr, MASKED: tl.constexpr):
+    """``out[t] = sum_s comb[t, s]`` over the first ``N_SUM`` of each token's ``SLOTS`` rows, in fp32.
+
+    With MASKED only the slots where ``valid[t, s]`` (``[BTF, K_PAD]``) count: a choice left
+    empty never wrote its row. Slots are added in a fixed order, so the fold is deterministic.
+    """
+    t64 = toks.to(tl.int64)
+    kk = tl.arange(0, K_PAD)
+    for h0 in tl.range(0, H, BHF):
+        cols = h0 + tl.arange(0, BHF)
+        m2 = tok_ok[:, None] & (cols < H)[None, :]
+        acc = tl.zeros([BTF, BHF], dtype=tl.float32)
+        for s in tl.static_range(N_SUM):
+            m_s = m2
+            if MASKED:
+                m_s = m2 & (tl.sum(tl.where(kk[None, :] == s, valid.to(tl.int32), 0), axis=1) > 0)[:, None]
+            acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :], mask=m_s, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
