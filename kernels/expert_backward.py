@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from .profile import now
-from .queues import dispatch_chunk, fold_block, locate, pick, recv_table, ticket
+from .queues import claim, dispatch_chunk, fold_block, locate, pick, recv_table
 from .route import router_logits, routing_backward
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
@@ -208,11 +208,7 @@ def expert_backward_kernel(
 
         # ---- FOLD ----
         if MODE == 0:
-            f = held_f
-            if ((open_q & OPEN_FOLD) != 0) & (held_f < 0):
-                f = ticket(heads + Q_FOLD, -1, n_fold)
-                if f < 0:
-                    open_q = open_q & ~OPEN_FOLD
+            f, open_q = claim(heads + Q_FOLD, held_f, n_fold, open_q, OPEN_FOLD)
             if f >= 0:
                 toks = f * BTF + tl.arange(0, BTF)
                 tok_ok = toks < n_tokens
@@ -229,10 +225,8 @@ def expert_backward_kernel(
         if MODE == 0:
             if did == 0:
                 q = held_dx
-                if known & ((open_q & OPEN_DX) != 0) & (held_dx < 0):
-                    q = ticket(heads + Q_DX, -1, n_dx)
-                    if q < 0:
-                        open_q = open_q & ~OPEN_DX
+                if known:
+                    q, open_q = claim(heads + Q_DX, held_dx, n_dx, open_q, OPEN_DX)
                 if q >= 0:
                     e, first = locate(cum_dx, el_idx, q)
                     n_tiles_e = pick(tiles_el, el_idx, e)
@@ -279,11 +273,7 @@ def expert_backward_kernel(
         # ---- RBWD ----
         if MODE == 0:
             if did == 0:
-                r = held_rb
-                if ((open_q & OPEN_RBWD) != 0) & (held_rb < 0):
-                    r = ticket(heads + Q_RBWD, -1, n_lt)
-                    if r < 0:
-                        open_q = open_q & ~OPEN_RBWD
+                r, open_q = claim(heads + Q_RBWD, held_rb, n_lt, open_q, OPEN_RBWD)
                 if r >= 0:
                     toks = r * BT + tl.arange(0, BT)
                     tok_ok = toks < n_tokens
@@ -323,10 +313,8 @@ def expert_backward_kernel(
         if MODE == 0:
             if did == 0:
                 q = held_dh
-                if known & ((open_q & OPEN_DH) != 0) & (held_dh < 0):
-                    q = ticket(heads + Q_DH, -1, n_dh)
-                    if q < 0:
-                        open_q = open_q & ~OPEN_DH
+                if known:
+                    q, open_q = claim(heads + Q_DH, held_dh, n_dh, open_q, OPEN_DH)
                 if q >= 0:
                     e, first = locate(cum_dh, el_idx, q)
                     n_rows_e = pick(n_el, el_idx, e)
@@ -469,16 +457,12 @@ def expert_backward_kernel(
                 # One weight-gradient ticket at a time: dW[g;u] tasks first, then dWd.
                 q = held_wg
                 kind = held_wg_kind
-                if known & (q < 0) & ((open_q & OPEN_DWGU) != 0):
-                    q = ticket(heads + Q_DWGU, -1, n_dwgu)
+                if known & (q < 0):
+                    q, open_q = claim(heads + Q_DWGU, -1, n_dwgu, open_q, OPEN_DWGU)
                     kind = tl.where(q >= 0, 1, 0)
                     if q < 0:
-                        open_q = open_q & ~OPEN_DWGU
-                if known & (q < 0) & ((open_q & OPEN_DWD) != 0):
-                    q = ticket(heads + Q_DWD, -1, n_dwd)
-                    kind = tl.where(q >= 0, 2, 0)
-                    if q < 0:
-                        open_q = open_q & ~OPEN_DWD
+                        q, open_q = claim(heads + Q_DWD, -1, n_dwd, open_q, OPEN_DWD)
+                        kind = tl.where(q >= 0, 2, 0)
                 if kind > 0:
                     per_e = tl.where(kind == 1, N_WGU_M * N_WGU_N, N_WD_M * N_WD_N)
                     e = q // per_e
@@ -531,11 +515,7 @@ def expert_backward_kernel(
         # ---- DWR: the router weight's gradient over this rank's tokens ----
         if MODE == 0:
             if did == 0:
-                q = held_wr
-                if ((open_q & OPEN_DWR) != 0) & (held_wr < 0):
-                    q = ticket(heads + Q_DWR, -1, n_dwr)
-                    if q < 0:
-                        open_q = open_q & ~OPEN_DWR
+                q, open_q = claim(heads + Q_DWR, held_wr, n_dwr, open_q, OPEN_DWR)
                 if q >= 0:
                     if tl.atomic_add(ctl + C_RB_DONE, 0, sem="acquire", scope="gpu") == n_lt:
                         tl.debug_barrier()

@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 
 from .profile import now
-from .queues import dispatch_chunk, fold_block, locate as _locate, pick as _pick, recv_table as _recv_table, ticket as _ticket
+from .queues import claim as _claim, dispatch_chunk, fold_block, locate as _locate, pick as _pick, recv_table as _recv_table
 from .route import router_logits, top_k_routing
 from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
@@ -215,11 +215,7 @@ def expert_forward_kernel(
         n_dn = tl.sum(tiles_el * N_HB, axis=0)
 
         # ---- FOLD ----
-        f = held_f
-        if ((open_q & OPEN_FOLD) != 0) & (held_f < 0):
-            f = _ticket(heads + Q_FOLD, -1, n_fold)
-            if f < 0:
-                open_q = open_q & ~OPEN_FOLD
+        f, open_q = _claim(heads + Q_FOLD, held_f, n_fold, open_q, OPEN_FOLD)
         if f >= 0:
             toks = f * BTF + tl.arange(0, BTF)
             tok_ok = toks < n_tokens
@@ -237,10 +233,8 @@ def expert_forward_kernel(
         # ---- DOWN (routed) ----
         if did == 0:
             q = held_dn
-            if known & ((open_q & OPEN_DOWN) != 0) & (held_dn < 0):
-                q = _ticket(heads + Q_DOWN, -1, n_dn)
-                if q < 0:
-                    open_q = open_q & ~OPEN_DOWN
+            if known:
+                q, open_q = _claim(heads + Q_DOWN, held_dn, n_dn, open_q, OPEN_DOWN)
             if q >= 0:
                 e, first = _locate(cum_dn, el_idx, q)
                 n_rows_e = _pick(n_el, el_idx, e)
@@ -277,11 +271,7 @@ def expert_forward_kernel(
 
         # ---- SDOWN (shared expert) ----
         if did == 0:
-            q = held_sdn
-            if ((open_q & OPEN_SDOWN) != 0) & (held_sdn < 0):
-                q = _ticket(heads + Q_SDOWN, -1, n_sdn)
-                if q < 0:
-                    open_q = open_q & ~OPEN_SDOWN
+            q, open_q = _claim(heads + Q_SDOWN, held_sdn, n_sdn, open_q, OPEN_SDOWN)
             if q >= 0:
                 hb = q // n_tiles_s
                 m = q % n_tiles_s
@@ -304,10 +294,8 @@ def expert_forward_kernel(
         # ---- GATE_UP (routed) ----
         if did == 0:
             g = held_gu
-            if known & ((open_q & OPEN_GATE_UP) != 0) & (held_gu < 0):
-                g = _ticket(heads + Q_GATE_UP, -1, n_gu)
-                if g < 0:
-                    open_q = open_q & ~OPEN_GATE_UP
+            if known:
+                g, open_q = _claim(heads + Q_GATE_UP, held_gu, n_gu, open_q, OPEN_GATE_UP)
             if g >= 0:
                 e, first = _locate(cum_gu, el_idx, g)
                 n_rows_e = _pick(n_el, el_idx, e)

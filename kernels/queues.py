@@ -31,6 +31,18 @@ def ticket(head, held, n):
 
 
 @triton.jit
+def claim(head, held, n, open_q, BIT: tl.constexpr):
+    """``ticket`` for a queue the worker still visits (bit BIT of ``open_q``); returns the task
+    (-1: none) and ``open_q``, whose bit is cleared once the queue has no task left to take."""
+    t = held
+    if (held < 0) & ((open_q & BIT) != 0):
+        t = ticket(head, -1, n)
+        if t < 0:
+            open_q = open_q & ~BIT
+    return t, open_q
+
+
+@triton.jit
 def locate(cum, idx, task):
     """For an inclusive prefix sum ``cum``: the bucket holding ``task`` and its first task."""
     bucket = tl.sum((cum <= task).to(tl.int32), axis=0)
