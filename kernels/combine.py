@@ -13,8 +13,8 @@ SEND  one per BM received rows, in slot order: each row times its routing weight
 
 FOLD is taken by ticket (a worker holds its fold and sends rows until it is ready), SEND by
 fetch-and-add. FOLD waits only on SEND tasks, which wait on nothing, so with any number of
-workers the earliest unfinished task is running, held or claimable. Counters are reset by the last worker of
-this rank, after its fold has seen every peer's write of this call.
+workers the earliest unfinished task is running, held or claimable. Counters are reset by
+the last worker of this rank, after its fold has seen every peer's write of this call.
 """
 
 import triton

@@ -42,8 +42,7 @@ DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T 
 
 Claiming and why it cannot deadlock: as in the forward (kernels.expert_forward). FOLD, DH,
 DX, RBWD, DWGU/DWD (one ticket for both, dW[g;u] first) and DWR are taken by ticket and run
-when ready, FEED by fetch-and-add. No worker waits on a ticket
-it holds. Only FEED tasks spin, each on FEED tasks before it in some rank's queue (count
+when ready, FEED by fetch-and-add. No worker waits on a ticket it holds. Only FEED tasks spin, each on FEED tasks before it in some rank's queue (count
 exchange on this rank's layout tiles; send-list tiles on this rank's count exchange; dispatch
 chunks on every rank's count exchange and this rank's send lists). Readiness follows
 FEED < DH < DX < RBWD < FOLD and DH < DWGU, DWD; RBWD < DWR, one topological order over all
@@ -76,16 +75,10 @@ Q_FOLD = tl.constexpr(4)
 Q_DWGU = tl.constexpr(5)
 Q_DWD = tl.constexpr(6)
 Q_DWR = tl.constexpr(7)
-# One bit per queue in a worker's ``open_q`` (see kernels.expert_forward).
-OPEN_FEED = tl.constexpr(1 << 0)
-OPEN_DH = tl.constexpr(1 << 1)
-OPEN_DX = tl.constexpr(1 << 2)
-OPEN_RBWD = tl.constexpr(1 << 3)
-OPEN_FOLD = tl.constexpr(1 << 4)
-OPEN_DWGU = tl.constexpr(1 << 5)
-OPEN_DWD = tl.constexpr(1 << 6)
-OPEN_DWR = tl.constexpr(1 << 7)
-ALL_OPEN = tl.constexpr((1 << 8) - 1)
+# Bit ``1 << q`` of a worker's ``open_q`` stands for queue ``q`` (see kernels.expert_forward).
+OPEN_FEED, OPEN_DH, OPEN_DX, OPEN_RBWD, OPEN_FOLD, OPEN_DWGU, OPEN_DWD, OPEN_DWR = (
+    tl.constexpr(1 << q.value) for q in (Q_FEED, Q_DH, Q_DX, Q_RBWD, Q_FOLD, Q_DWGU, Q_DWD, Q_DWR))
+ALL_OPEN = tl.constexpr(OPEN_FEED | OPEN_DH | OPEN_DX | OPEN_RBWD | OPEN_FOLD | OPEN_DWGU | OPEN_DWD | OPEN_DWR)
 
 C_EPOCH = tl.constexpr(0)
 C_EXIT = tl.constexpr(1)
@@ -360,11 +353,9 @@ def expert_backward_kernel(
                 held_dh = q
 
         # ---- FEED: layout tiles, count exchange, send-list tiles, dispatch chunks ----
-        if (did == 0) & ((open_q & OPEN_FEED) != 0):
-            if tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") >= n_feed:
-                open_q = open_q & ~OPEN_FEED
-            else:
-                a = tl.atomic_add(heads + Q_FEED, 1, sem="relaxed")
+        if did == 0:
+            a, open_q = claim(heads + Q_FEED, -1, n_feed, open_q, OPEN_FEED)
+            if a >= 0:
                 if a < n_lt:
                     # Layout tile: per-expert histogram of BT tokens, each choice's rank in it.
                     toks = a * BT + tl.arange(0, BT)

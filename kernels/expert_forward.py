@@ -101,14 +101,10 @@ Q_DOWN = tl.constexpr(2)
 Q_SGATE_UP = tl.constexpr(3)
 Q_SDOWN = tl.constexpr(4)
 Q_FOLD = tl.constexpr(5)
-# One bit per queue in a worker's ``open_q``.
-OPEN_FEED = tl.constexpr(1 << 0)
-OPEN_GATE_UP = tl.constexpr(1 << 1)
-OPEN_DOWN = tl.constexpr(1 << 2)
-OPEN_SGATE_UP = tl.constexpr(1 << 3)
-OPEN_SDOWN = tl.constexpr(1 << 4)
-OPEN_FOLD = tl.constexpr(1 << 5)
-ALL_OPEN = tl.constexpr((1 << 6) - 1)
+# Bit ``1 << q`` of a worker's ``open_q`` stands for queue ``q``.
+OPEN_FEED, OPEN_GATE_UP, OPEN_DOWN, OPEN_SGATE_UP, OPEN_SDOWN, OPEN_FOLD = (
+    tl.constexpr(1 << q.value) for q in (Q_FEED, Q_GATE_UP, Q_DOWN, Q_SGATE_UP, Q_SDOWN, Q_FOLD))
+ALL_OPEN = tl.constexpr(OPEN_FEED | OPEN_GATE_UP | OPEN_DOWN | OPEN_SGATE_UP | OPEN_SDOWN | OPEN_FOLD)
 
 # Fixed control words (int32 indices into a rank's workspace).
 C_EPOCH = tl.constexpr(0)
@@ -326,11 +322,9 @@ def expert_forward_kernel(
             held_gu = g
 
         # ---- FEED: route tiles, count exchange, dispatch chunks ----
-        if (did == 0) & ((open_q & OPEN_FEED) != 0):
-            if tl.atomic_add(heads + Q_FEED, 0, sem="relaxed") >= n_feed:
-                open_q = open_q & ~OPEN_FEED
-            else:
-                a = tl.atomic_add(heads + Q_FEED, 1, sem="relaxed")
+        if did == 0:
+            a, open_q = _claim(heads + Q_FEED, -1, n_feed, open_q, OPEN_FEED)
+            if a >= 0:
                 if a < n_route:
                     # Route tile: logits, top-k, and this rank's send lists.
                     t0 = a * BT
@@ -391,19 +385,16 @@ def expert_forward_kernel(
                 did = 1 + (a > n_route) + (a > n_route + 1)  # route 1, count 2, dispatch 3
 
         # ---- SGATE_UP (shared expert): always ready, so it fills idle time ----
-        if (did == 0) & ((open_q & OPEN_SGATE_UP) != 0):
-            if tl.atomic_add(heads + Q_SGATE_UP, 0, sem="relaxed") >= n_sgu:
-                open_q = open_q & ~OPEN_SGATE_UP
-            else:
-                g = tl.atomic_add(heads + Q_SGATE_UP, 1, sem="relaxed")
-                if g < n_sgu:
-                    ib = g // n_tiles_s
-                    m = g % n_tiles_s
-                    t0 = m * BM
-                    gate_up_tile(x_ptr + (t0 + tl.arange(0, BM)).to(tl.int64) * H, tl.minimum(n_tokens - t0, BM),
-                                 s_gate_ptr, s_up_ptr, h_s + t0.to(tl.int64) * I_S, ib * BN_GU,
-                                 H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
-                    signal_add(ctl + C_GU_DONE + TILE_CAP + m, 1, "gpu")
+        if did == 0:
+            g, open_q = _claim(heads + Q_SGATE_UP, -1, n_sgu, open_q, OPEN_SGATE_UP)
+            if g >= 0:
+                ib = g // n_tiles_s
+                m = g % n_tiles_s
+                t0 = m * BM
+                gate_up_tile(x_ptr + (t0 + tl.arange(0, BM)).to(tl.int64) * H, tl.minimum(n_tokens - t0, BM),
+                             s_gate_ptr, s_up_ptr, h_s + t0.to(tl.int64) * I_S, ib * BN_GU,
+                             H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                signal_add(ctl + C_GU_DONE + TILE_CAP + m, 1, "gpu")
                 did = 6
 
         # ---- Nothing taken: finished, aborted, or waiting. ----
