@@ -21,10 +21,9 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from layer_forward import timed
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent))
-
-from kosmos_moe.kernels.tile_gemm import down_tile, gate_up_tile  # noqa: E402
+from kosmos_moe.kernels.tile_gemm import down_tile, gate_up_tile
 
 SHAPES = {
     # name: (hidden, intermediate, experts, tokens, top_k)
@@ -93,19 +92,6 @@ def tiles_of(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor,
             ex.append(e)
     as_t = lambda v: torch.tensor(v, dtype=torch.int32, device=counts.device)  # noqa: E731
     return as_t(row0), as_t(n), as_t(ex)
-
-
-def timed(fn, iters: int = 10) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e-3 / iters
 
 
 def run_shape(name: str, variants: dict) -> dict:
