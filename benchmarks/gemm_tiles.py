@@ -23,7 +23,9 @@ import triton
 import triton.language as tl
 from layer_forward import timed
 
-from kosmos_moe.kernels.tile_gemm import down_tile, gate_up_tile
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kosmos_moe.kernels.tile_gemm import down_tile, down_tile_tma, gate_up_tile, gate_up_tile_tma, gate_up_tile_tma_rows
 
 SHAPES = {
     # name: (hidden, intermediate, experts, tokens, top_k)
@@ -39,6 +41,14 @@ VARIANTS = {
     "gu64_down256_s4": (128, 64, 256, 64, 4, 8),
     "bk128_s2": (128, 128, 128, 128, 2, 8),
     "rows64_w4": (64, 128, 128, 64, 4, 4),
+}
+# The same tiles with their operands read by TMA (tile_gemm's *_tma functions).
+TMA_VARIANTS = {
+    "tma_default": (128, 128, 128, 64, 3, 8),
+    "tma_down256": (128, 128, 256, 64, 3, 8),
+    "tma_stages4": (128, 128, 256, 64, 4, 8),
+    "tma_gu64_s4": (128, 64, 256, 64, 4, 8),
+    "tma_w4": (128, 64, 128, 64, 4, 4),
 }
 
 
@@ -81,6 +91,43 @@ def _down_grid(h_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles, w_
     tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < H)[None, :])
 
 
+@triton.jit
+def _gate_up_grid_tma(x_ptr, x_desc, token_of_row_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles,
+                      w_desc, h_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr, STAGES: tl.constexpr, GATHER: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    pid = tl.program_id(0)
+    ib = pid // n_tiles
+    t = pid % n_tiles
+    row0 = tl.load(tile_row0_ptr + t)
+    n_rows = tl.load(tile_rows_ptr + t)
+    e = tl.load(tile_expert_ptr + t)
+    h_rows = h_ptr + row0.to(tl.int64) * I
+    if GATHER:
+        tok = tl.load(token_of_row_ptr + row0 + tl.arange(0, BM), mask=tl.arange(0, BM) < n_rows, other=0)
+        gate_up_tile_tma(x_ptr + tok.to(tl.int64) * H, n_rows, w_desc, e * 2 * I, e * 2 * I + I, h_rows, ib * BN,
+                         H, I, BM, BN, BK, DOT_DTYPE, STAGES)
+    else:
+        gate_up_tile_tma_rows(x_desc, row0, n_rows, w_desc, e * 2 * I, e * 2 * I + I, h_rows, ib * BN,
+                              H, I, BM, BN, BK, DOT_DTYPE, STAGES)
+
+
+@triton.jit
+def _down_grid_tma(h_desc, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles, w_desc, y_ptr,
+                   H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    pid = tl.program_id(0)
+    hb = pid // n_tiles
+    t = pid % n_tiles
+    row0 = tl.load(tile_row0_ptr + t)
+    n_rows = tl.load(tile_rows_ptr + t)
+    e = tl.load(tile_expert_ptr + t)
+    acc = down_tile_tma(h_desc, row0, w_desc, e * H, hb * BN, I, BK, BM, BN, DOT_DTYPE, STAGES)
+    rows = tl.arange(0, BM)
+    cols = hb * BN + tl.arange(0, BN)
+    dst = y_ptr + (row0 + rows).to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < H)[None, :])
+
+
 def tiles_of(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row tile: first row, row count and expert, for expert-major rows with ``counts`` each."""
     starts = torch.cumsum(counts, 0) - counts
@@ -94,7 +141,13 @@ def tiles_of(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor,
     return as_t(row0), as_t(n), as_t(ex)
 
 
-def run_shape(name: str, variants: dict) -> dict:
+def report(name: str, label: str, res: dict) -> None:
+    print(f"[{name}/{label}] gate/up gather {res['gate_up_gather']:.0f}, contiguous "
+          f"{res['gate_up_contiguous']:.0f}, down {res['down']:.0f} TFLOP/s "
+          f"(max diff h {res['h_max_diff']:.3g}, y {res['y_max_diff']:.3g})", file=sys.stderr, flush=True)
+
+
+def run_shape(name: str, variants: dict, tma_variants: dict) -> dict:
     H, I, E, T, K = SHAPES[name]
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
@@ -142,19 +195,46 @@ def run_shape(name: str, variants: dict) -> dict:
         res["down"] = flops_dn / timed(launch) / 1e12
         res["y_max_diff"] = (y.float() - y_ref.float()).abs().max().item()
         out["variants"][label] = res
-        print(f"[{name}/{label}] gate/up gather {res['gate_up_gather']:.0f}, contiguous "
-              f"{res['gate_up_contiguous']:.0f}, down {res['down']:.0f} TFLOP/s "
-              f"(max diff h {res['h_max_diff']:.3g}, y {res['y_max_diff']:.3g})", file=sys.stderr, flush=True)
+        report(name, label, res)
+    for label, (bm, bn_gu, bn_dn, bk, stages, warps) in tma_variants.items():
+        row0, n_rows, ex = tiles_of(counts, bm)
+        nt = row0.numel()
+        h = torch.empty(R, I, device=dev, dtype=dt)
+        y = torch.empty(R, H, device=dev, dtype=dt)
+        w_gu_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * 2 * I, H), [bn_gu, bk])
+        w_dn_desc = TensorDescriptor.from_tensor(w_down.view(E * H, I), [bn_dn, bk])
+        rows_desc = TensorDescriptor.from_tensor(rows, [bm, bk])
+        h_desc = TensorDescriptor.from_tensor(h_ref, [bm, bk])
+        res = {}
+        for gather in (True, False):
+            launch = lambda: _gate_up_grid_tma[(nt * triton.cdiv(I, bn_gu),)](  # noqa: E731
+                x, rows_desc, token_of_row, row0, n_rows, ex, nt, w_gu_desc, h, H, I, bm, bn_gu, bk, stages, gather,
+                tl.bfloat16, num_warps=warps)
+            launch()
+            torch.cuda.synchronize()
+            res["gate_up_gather" if gather else "gate_up_contiguous"] = flops_gu / timed(launch) / 1e12
+            res["h_max_diff"] = (h.float() - h_ref.float()).abs().max().item()
+        launch = lambda: _down_grid_tma[(nt * triton.cdiv(H, bn_dn),)](  # noqa: E731
+            h_desc, row0, n_rows, ex, nt, w_dn_desc, y, H, I, bm, bn_dn, bk, stages, tl.bfloat16, num_warps=warps)
+        launch()
+        torch.cuda.synchronize()
+        res["down"] = flops_dn / timed(launch) / 1e12
+        res["y_max_diff"] = (y.float() - y_ref.float()).abs().max().item()
+        out["variants"][label] = res
+        report(name, label, res)
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS) + list(TMA_VARIANTS),
+                   choices=list(VARIANTS) + list(TMA_VARIANTS))
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    results = [run_shape(s, {v: VARIANTS[v] for v in args.variants}) for s in args.shapes]
+    plain = {v: VARIANTS[v] for v in args.variants if v in VARIANTS}
+    tma = {v: TMA_VARIANTS[v] for v in args.variants if v in TMA_VARIANTS}
+    results = [run_shape(s, plain, tma) for s in args.shapes]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shapes": results}, f, indent=1)

@@ -134,3 +134,81 @@ def rows_times_weight_tile(
         b = tl.load(w_cols + (k0 + ks).to(tl.int64)[:, None] * N_DIM, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
     return acc
+
+
+# TMA variants. The weight operand comes through a tensor descriptor over all experts' rows
+# (``[E * rows_per_expert, K]``, block ``[BN, BK]``): the copy engine fetches the tile into
+# shared memory, so the workers spend no registers or instructions on its addresses and masks.
+# Columns past K are zero-filled by the hardware. A block that runs past an expert's last row
+# reads the next expert's rows (or zeros past the last one); those only reach output columns
+# that the store masks off.
+
+
+@triton.jit
+def gate_up_tile_tma(
+    a_rows, n_rows, w_desc, gate_row0, up_row0, h_ptr, n0,
+    K_DIM: tl.constexpr, N_DIM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``gate_up_tile`` with the gate and up weight blocks at rows ``gate_row0 + n0`` and ``up_row0 + n0`` of ``w_desc``."""
+    rows = tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    row_ok = rows < n_rows
+    a_rows = a_rows[:, None]
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :], other=0.0)
+        bg = w_desc.load([gate_row0 + n0, k0])
+        bu = w_desc.load([up_row0 + n0, k0])
+        a = a.to(DOT_DTYPE)
+        acc_g = tl.dot(a, bg.to(DOT_DTYPE).T, acc_g)
+        acc_u = tl.dot(a, bu.to(DOT_DTYPE).T, acc_u)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    out = h_ptr + rows.to(tl.int64)[:, None] * N_DIM + cols[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N_DIM)[None, :])
+
+
+@triton.jit
+def down_tile_tma(
+    a_desc, a_row0, w_desc, w_row0, n0,
+    K_DIM: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """Return the fp32 tile ``a[a_row0:a_row0+BM] @ W[w_row0+n0 : +BN]^T``, both operands by TMA.
+
+    Rows of ``a`` past the tile's own come from the next tile (or are zero past the end): the
+    caller masks those rows off.
+    """
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        a = a_desc.load([a_row0, k0])
+        b = w_desc.load([w_row0 + n0, k0])
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)
+    return acc
+
+
+@triton.jit
+def gate_up_tile_tma_rows(
+    a_desc, a_row0, n_rows, w_desc, gate_row0, up_row0, h_ptr, n0,
+    K_DIM: tl.constexpr, N_DIM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``gate_up_tile_tma`` on contiguous rows ``a[a_row0 : a_row0 + n_rows]``, read by TMA too."""
+    rows = tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        a = a_desc.load([a_row0, k0]).to(DOT_DTYPE)
+        bg = w_desc.load([gate_row0 + n0, k0])
+        bu = w_desc.load([up_row0 + n0, k0])
+        acc_g = tl.dot(a, bg.to(DOT_DTYPE).T, acc_g)
+        acc_u = tl.dot(a, bu.to(DOT_DTYPE).T, acc_u)
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    out = h_ptr + rows.to(tl.int64)[:, None] * N_DIM + cols[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < N_DIM)[None, :])
