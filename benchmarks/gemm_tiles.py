@@ -25,7 +25,7 @@ from layer_forward import timed
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kosmos_moe.kernels.tile_gemm import down_tile, down_tile_tma, gate_up_tile, gate_up_tile_tma, gate_up_tile_tma_rows
+from kosmos_moe.kernels.tile_gemm import down_tile, down_tile_tma, down_tile_tma_w, gate_up_tile, gate_up_tile_tma, gate_up_tile_tma_rows
 
 SHAPES = {
     # name: (hidden, intermediate, experts, tokens, top_k)
@@ -112,16 +112,20 @@ def _gate_up_grid_tma(x_ptr, x_desc, token_of_row_ptr, tile_row0_ptr, tile_rows_
 
 
 @triton.jit
-def _down_grid_tma(h_desc, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles, w_desc, y_ptr,
+def _down_grid_tma(h_ptr, h_desc, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles, w_desc, y_ptr,
                    H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                   STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, ROWS_BY_TMA: tl.constexpr):
     pid = tl.program_id(0)
     hb = pid // n_tiles
     t = pid % n_tiles
     row0 = tl.load(tile_row0_ptr + t)
     n_rows = tl.load(tile_rows_ptr + t)
     e = tl.load(tile_expert_ptr + t)
-    acc = down_tile_tma(h_desc, row0, w_desc, e * H, hb * BN, I, BK, BM, BN, DOT_DTYPE, STAGES)
+    if ROWS_BY_TMA:
+        acc = down_tile_tma(h_desc, row0, w_desc, e * H, hb * BN, I, BK, BM, BN, DOT_DTYPE, STAGES)
+    else:
+        acc = down_tile_tma_w(h_ptr + row0.to(tl.int64) * I, n_rows, w_desc, e * H, hb * BN, I, BM, BN, BK,
+                              DOT_DTYPE, STAGES)
     rows = tl.arange(0, BM)
     cols = hb * BN + tl.arange(0, BN)
     dst = y_ptr + (row0 + rows).to(tl.int64)[:, None] * H + cols[None, :]
@@ -143,7 +147,8 @@ def tiles_of(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor,
 
 def report(name: str, label: str, res: dict) -> None:
     print(f"[{name}/{label}] gate/up gather {res['gate_up_gather']:.0f}, contiguous "
-          f"{res['gate_up_contiguous']:.0f}, down {res['down']:.0f} TFLOP/s "
+          f"{res['gate_up_contiguous']:.0f}, down {res['down']:.0f}"
+          + (f" (rows by TMA {res['down_rows_tma']:.0f})" if "down_rows_tma" in res else "") + " TFLOP/s "
           f"(max diff h {res['h_max_diff']:.3g}, y {res['y_max_diff']:.3g})", file=sys.stderr, flush=True)
 
 
@@ -214,12 +219,14 @@ def run_shape(name: str, variants: dict, tma_variants: dict) -> dict:
             torch.cuda.synchronize()
             res["gate_up_gather" if gather else "gate_up_contiguous"] = flops_gu / timed(launch) / 1e12
             res["h_max_diff"] = (h.float() - h_ref.float()).abs().max().item()
-        launch = lambda: _down_grid_tma[(nt * triton.cdiv(H, bn_dn),)](  # noqa: E731
-            h_desc, row0, n_rows, ex, nt, w_dn_desc, y, H, I, bm, bn_dn, bk, stages, tl.bfloat16, num_warps=warps)
-        launch()
-        torch.cuda.synchronize()
-        res["down"] = flops_dn / timed(launch) / 1e12
-        res["y_max_diff"] = (y.float() - y_ref.float()).abs().max().item()
+        for rows_by_tma in (False, True):
+            launch = lambda: _down_grid_tma[(nt * triton.cdiv(H, bn_dn),)](  # noqa: E731
+                h_ref, h_desc, row0, n_rows, ex, nt, w_dn_desc, y, H, I, bm, bn_dn, bk, stages, tl.bfloat16,
+                rows_by_tma, num_warps=warps)
+            launch()
+            torch.cuda.synchronize()
+            res["down_rows_tma" if rows_by_tma else "down"] = flops_dn / timed(launch) / 1e12
+            res["y_max_diff"] = (y.float() - y_ref.float()).abs().max().item()
         out["variants"][label] = res
         report(name, label, res)
     return out

@@ -212,3 +212,23 @@ def gate_up_tile_tma_rows(
     h = acc_g * tl.sigmoid(acc_g) * acc_u
     out = h_ptr + rows.to(tl.int64)[:, None] * N_DIM + cols[None, :]
     tl.store(out, h.to(h_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < N_DIM)[None, :])
+
+
+@triton.jit
+def down_tile_tma_w(
+    a_ptr, n_rows, w_desc, w_row0, n0,
+    K_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``down_tile`` with only the weight block by TMA: rows of ``a`` (written in this launch)
+    by plain loads, which need no ordering with the copy engine's reads."""
+    rows = tl.arange(0, BM)
+    ks = tl.arange(0, BK)
+    a_rows = a_ptr + rows.to(tl.int64)[:, None] * K_DIM
+    row_ok = rows < n_rows
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :], other=0.0)
+        b = w_desc.load([w_row0 + n0, k0])
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)
+    return acc
