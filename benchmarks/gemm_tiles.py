@@ -104,7 +104,7 @@ def _gate_up_grid_tma(x_ptr, x_desc, token_of_row_ptr, tile_row0_ptr, tile_rows_
     h_rows = h_ptr + row0.to(tl.int64) * I
     if GATHER:
         tok = tl.load(token_of_row_ptr + row0 + tl.arange(0, BM), mask=tl.arange(0, BM) < n_rows, other=0)
-        gate_up_tile_tma(x_ptr + tok.to(tl.int64) * H, n_rows, w_desc, e * 2 * I, e * 2 * I + I, h_rows, ib * BN,
+        gate_up_tile_tma(x_ptr + tok.to(tl.int64) * H, n_rows, w_desc, e * 2 * I, w_desc, e * 2 * I + I, h_rows, ib * BN,
                          H, I, BM, BN, BK, DOT_DTYPE, STAGES)
     else:
         gate_up_tile_tma_rows(x_desc, row0, n_rows, w_desc, e * 2 * I, e * 2 * I + I, h_rows, ib * BN,

@@ -43,7 +43,8 @@ CASES = {
 
 TILE_VARIANTS = {
     "default": GPU_TILES,
-    "down256": dataclasses.replace(GPU_TILES, down_cols=256),
+    "pointer_weights": dataclasses.replace(GPU_TILES, tma=False),
+    "down128": dataclasses.replace(GPU_TILES, down_cols=128),
     "stages4": dataclasses.replace(GPU_TILES, stages=4),
     "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),
 }

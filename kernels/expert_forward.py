@@ -87,7 +87,7 @@ from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
     WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add,
 )
-from .tile_gemm import down_tile, gate_up_tile
+from .tile_gemm import down_tile, down_tile_tma_w, gate_up_tile, gate_up_tile_tma
 
 # With PROFILE, every pass of a worker adds its nanoseconds to int64 slot ``kind`` of
 # ``profile_ptr`` and one to slot ``16 + kind``. Slot 0 is passes that found nothing ready.
@@ -124,6 +124,7 @@ def expert_forward_kernel(
     x_ptr, out_ptr, n_tokens,
     router_w_ptr, bias_ptr, scale,
     w_gate_up_ptr, w_down_ptr, s_gate_ptr, s_up_ptr, s_down_ptr,
+    w_gate_up_desc, w_down_desc, s_gate_desc, s_up_desc, s_down_desc,
     peers_ptr, me, wait_bound, profile_ptr,
     # Shapes.
     H: tl.constexpr, I: tl.constexpr, I_S: tl.constexpr,
@@ -141,6 +142,7 @@ def expert_forward_kernel(
     # Tiles.
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
     BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
+    TMA: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -243,9 +245,13 @@ def expert_forward_kernel(
                     tl.debug_barrier()
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    acc = down_tile(h_r + row0.to(tl.int64) * I, n_rows,
-                                    w_down_ptr + e.to(tl.int64) * H * I, hb * BN_DN,
-                                    I, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                    if TMA:
+                        acc = down_tile_tma_w(h_r + row0.to(tl.int64) * I, n_rows, w_down_desc, e * H, hb * BN_DN,
+                                              I, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                    else:
+                        acc = down_tile(h_r + row0.to(tl.int64) * I, n_rows,
+                                        w_down_ptr + e.to(tl.int64) * H * I, hb * BN_DN,
+                                        I, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
                     rows = row0 + tl.arange(0, BM)
                     row_ok = tl.arange(0, BM) < n_rows
                     wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
@@ -275,8 +281,12 @@ def expert_forward_kernel(
                     tl.debug_barrier()
                     t0 = m * BM
                     n_rows = tl.minimum(n_tokens - t0, BM)
-                    acc = down_tile(h_s + t0.to(tl.int64) * I_S, n_rows, s_down_ptr, hb * BN_DN,
-                                    I_S, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                    if TMA:
+                        acc = down_tile_tma_w(h_s + t0.to(tl.int64) * I_S, n_rows, s_down_desc, 0, hb * BN_DN,
+                                              I_S, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                    else:
+                        acc = down_tile(h_s + t0.to(tl.int64) * I_S, n_rows, s_down_ptr, hb * BN_DN,
+                                        I_S, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
                     toks = t0 + tl.arange(0, BM)
                     row_ok = tl.arange(0, BM) < n_rows
                     cols = hb * BN_DN + tl.arange(0, BN_DN)
@@ -313,9 +323,14 @@ def expert_forward_kernel(
                     ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
                     a_rows = tl.where(src == me, x_ptr + (ent // TOP_K).to(tl.int64) * H,
                                       recv_x + rows.to(tl.int64) * H)
-                    gate_up_tile(a_rows, n_rows, w_e, w_e + I * H,
-                                 h_r + row0.to(tl.int64) * I, ib * BN_GU,
-                                 H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                    if TMA:
+                        gate_up_tile_tma(a_rows, n_rows, w_gate_up_desc, e * 2 * I, w_gate_up_desc, e * 2 * I + I,
+                                         h_r + row0.to(tl.int64) * I, ib * BN_GU,
+                                         H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                    else:
+                        gate_up_tile(a_rows, n_rows, w_e, w_e + I * H,
+                                     h_r + row0.to(tl.int64) * I, ib * BN_GU,
+                                     H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
                     signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
                     g = -1
                     did = 4
@@ -391,9 +406,13 @@ def expert_forward_kernel(
                 ib = g // n_tiles_s
                 m = g % n_tiles_s
                 t0 = m * BM
-                gate_up_tile(x_ptr + (t0 + tl.arange(0, BM)).to(tl.int64) * H, tl.minimum(n_tokens - t0, BM),
-                             s_gate_ptr, s_up_ptr, h_s + t0.to(tl.int64) * I_S, ib * BN_GU,
-                             H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                s_rows = x_ptr + (t0 + tl.arange(0, BM)).to(tl.int64) * H
+                if TMA:
+                    gate_up_tile_tma(s_rows, tl.minimum(n_tokens - t0, BM), s_gate_desc, 0, s_up_desc, 0,
+                                     h_s + t0.to(tl.int64) * I_S, ib * BN_GU, H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                else:
+                    gate_up_tile(s_rows, tl.minimum(n_tokens - t0, BM), s_gate_ptr, s_up_ptr,
+                                 h_s + t0.to(tl.int64) * I_S, ib * BN_GU, H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
                 signal_add(ctl + C_GU_DONE + TILE_CAP + m, 1, "gpu")
                 did = 6
 

@@ -146,12 +146,12 @@ def rows_times_weight_tile(
 
 @triton.jit
 def gate_up_tile_tma(
-    a_rows, n_rows, w_desc, gate_row0, up_row0, h_ptr, n0,
+    a_rows, n_rows, g_desc, g_row0, u_desc, u_row0, h_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """``gate_up_tile`` with the gate and up weight blocks at rows ``gate_row0 + n0`` and ``up_row0 + n0`` of ``w_desc``."""
+    """``gate_up_tile`` with the gate and up weight blocks at rows ``g_row0 + n0`` of ``g_desc`` and ``u_row0 + n0`` of ``u_desc``."""
     rows = tl.arange(0, BM)
     cols = n0 + tl.arange(0, BN)
     ks = tl.arange(0, BK)
@@ -161,8 +161,8 @@ def gate_up_tile_tma(
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
         a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :], other=0.0)
-        bg = w_desc.load([gate_row0 + n0, k0])
-        bu = w_desc.load([up_row0 + n0, k0])
+        bg = g_desc.load([g_row0 + n0, k0])
+        bu = u_desc.load([u_row0 + n0, k0])
         a = a.to(DOT_DTYPE)
         acc_g = tl.dot(a, bg.to(DOT_DTYPE).T, acc_g)
         acc_u = tl.dot(a, bu.to(DOT_DTYPE).T, acc_u)

@@ -37,6 +37,42 @@ _WHAT = {
 _ERR_SHORT = 11
 
 
+def tma_usable(tiles: Tiles, config: MoEConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the forward reads its weight blocks by TMA (``tiles.tma`` asks for it).
+
+    The copy engine needs Hopper or later (the interpreter emulates it) and 16-byte aligned
+    row strides, i.e. hidden and intermediate widths that are multiples of 16 bytes.
+    """
+    if not tiles.tma:
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    es = torch.tensor([], dtype=dtype).element_size()
+    widths = (config.hidden_size, config.moe_intermediate_size, config.shared_intermediate_size or 8)
+    return all(w * es % 16 == 0 for w in widths)
+
+
+def weight_descriptors(layer: nn.Module, shared: bool, tiles: Tiles) -> tuple:
+    """TMA descriptors of the routed and shared expert weights, in the forward kernel's order.
+
+    Each covers all of a weight's rows (``[experts * rows, K]``), with the block the tiles read:
+    ``[gate_up_cols, depth]`` for gate/up, ``[down_cols, depth]`` for down. Without a shared
+    expert its slots repeat the routed descriptors, which the kernel then never reads.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    gu, dn = layer.experts.gate_up_proj, layer.experts.down_proj
+    gu_block, dn_block = [tiles.gate_up_cols, tiles.depth], [tiles.down_cols, tiles.depth]
+    w_gu = TensorDescriptor.from_tensor(gu.detach().view(-1, gu.shape[-1]), gu_block)
+    w_dn = TensorDescriptor.from_tensor(dn.detach().view(-1, dn.shape[-1]), dn_block)
+    mlp = layer.shared_experts if shared else None
+    if mlp is None:
+        return w_gu, w_dn, w_gu, w_gu, w_dn
+    return (w_gu, w_dn, TensorDescriptor.from_tensor(mlp.gate_proj.weight.detach(), gu_block),
+            TensorDescriptor.from_tensor(mlp.up_proj.weight.detach(), gu_block),
+            TensorDescriptor.from_tensor(mlp.down_proj.weight.detach(), dn_block))
+
+
 class _HostRecords:
     """A process-wide ring of pinned error-record slots, allocated once.
 
@@ -376,13 +412,18 @@ class FusedForward(_PersistentLaunch):
         shared_mlp = layer.shared_experts if shared else None
         bias = gate.e_score_correction_bias
         dummy = self.workspace.local
-        args = (
-            x, out, n,
-            gate.weight, bias if bias is not None else dummy, float(c.routed_scaling_factor),
+        tma = tma_usable(t, c, x.dtype, x.device)
+        weights = (
             experts.gate_up_proj, experts.down_proj,
             shared_mlp.gate_proj.weight if shared_mlp is not None else dummy,
             shared_mlp.up_proj.weight if shared_mlp is not None else dummy,
             shared_mlp.down_proj.weight if shared_mlp is not None else dummy,
+        )
+        args = (
+            x, out, n,
+            gate.weight, bias if bias is not None else dummy, float(c.routed_scaling_factor),
+            *weights,
+            *(weight_descriptors(layer, shared, t) if tma else weights),
             self.workspace.peers, self.fabric.rank, self.wait_bound,
             self.profile if self.profile is not None else self.workspace.peers,
         )
@@ -392,7 +433,7 @@ class FusedForward(_PersistentLaunch):
             N_GROUP=c.n_group, TOPK_GROUP=c.topk_group, G_PAD=_next_pow2(c.n_group),
             BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
             BN_GU=t.gate_up_cols, BN_DN=t.down_cols, BK=t.depth, BTF=t.fold_tokens, BHF=t.fold_cols,
-            STAGES=t.stages, PROFILE=self.profile is not None,
+            STAGES=t.stages, TMA=tma, PROFILE=self.profile is not None,
             num_warps=t.warps,
         )
         _run(expert_forward_kernel, (self.workers,), args, kwargs, warmup)

@@ -47,6 +47,7 @@ class Tiles:
     fold_cols: int = 512         # BHF
     stages: int = 3
     warps: int = 8
+    tma: bool = True             # weight blocks by TMA where the device and strides allow it (kosmos_moe.fused.weight_descriptors)
 
 
 GPU_TILES = Tiles()
