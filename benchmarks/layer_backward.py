@@ -24,6 +24,13 @@ from layer_forward import CASES, TOKENS, ceilings, log, timed, work
 
 from kosmos_moe import ExpertLayer
 from kosmos_moe.fabric import EmulatedWorld
+from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES
+
+# Tile variants (--variants): (forward tiles, backward tiles) of the fused layer.
+VARIANTS = {
+    "default": (GPU_TILES, GPU_BACKWARD_TILES),
+    "pointer_weights": (dataclasses.replace(GPU_TILES, tma=False), dataclasses.replace(GPU_BACKWARD_TILES, tma=False)),
+}
 
 
 def saved_bytes(step, module: nn.Module) -> int:
@@ -45,7 +52,8 @@ def saved_bytes(step, module: nn.Module) -> int:
     return total
 
 
-def rank_layers(full: ExpertLayer, world: EmulatedWorld, max_tokens: int, profile: bool) -> list[ExpertLayer]:
+def rank_layers(full: ExpertLayer, world: EmulatedWorld, max_tokens: int, profile: bool,
+                variant: str = "default") -> list[ExpertLayer]:
     """Trainable emulated ranks; expert weights are views of the full layer's, the router is shared."""
     shape = dataclasses.asdict(full.config)
     positional = [shape.pop(k) for k in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k")]
@@ -54,7 +62,8 @@ def rank_layers(full: ExpertLayer, world: EmulatedWorld, max_tokens: int, profil
         with torch.device("meta"):
             layer = ExpertLayer(*positional, **shape, backend="kosmos", fabric=world.rank(r),
                                 max_tokens_per_rank=max_tokens, dtype=torch.bfloat16,
-                                fused_options={"profile": profile, "backward": True})
+                                fused_options={"profile": profile, "backward": True, "tiles": VARIANTS[variant][0],
+                                               "backward_tiles": VARIANTS[variant][1]})
         first, last = layer.local_expert_range
         layer.gate = full.gate
         layer.shared_experts = full.shared_experts
@@ -88,7 +97,7 @@ def max_diff(parts: list[torch.Tensor], whole: torch.Tensor, chunk: int = 8) -> 
     return worst
 
 
-def run_case(name: str, ceil: dict, profile: bool) -> dict:
+def run_case(name: str, ceil: dict, profile: bool, variant: str = "default") -> dict:
     preset, experts, ranks = CASES[name]
     log(f"[{name}] building {preset} with {experts} experts, {ranks} rank(s) x {TOKENS} tokens")
     torch.manual_seed(0)
@@ -119,7 +128,7 @@ def run_case(name: str, ceil: dict, profile: bool) -> dict:
     log(f"[{name}] reference fwd+bwd {t_ref * 1e3:.3f} ms, peak {ref_peak / 2**30:.2f} GiB above the weights")
 
     world = EmulatedWorld(ranks, "cuda")
-    layers = rank_layers(full, world, TOKENS, profile=False)
+    layers = rank_layers(full, world, TOKENS, profile=False, variant=variant)
 
     def fused_step():
         clear(*xs, *(p for layer in layers for p in layer.experts.parameters()))
@@ -147,7 +156,7 @@ def run_case(name: str, ceil: dict, profile: bool) -> dict:
     w = work(full.config, TOKENS * ranks, experts)
     roof = max(3 * w["flops"] / (ceil["dense_tflops"] * 1e12), 3 * w["weight_bytes"] / (ceil["copy_gbps"] * 1e9))
     result = {
-        "case": name, "tokens_per_rank": TOKENS, "ranks": ranks, "experts": experts, **w,
+        "case": name, "tiles": variant, "tokens_per_rank": TOKENS, "ranks": ranks, "experts": experts, **w,
         "reference_ms": t_ref * 1e3, "fused_ms": t_fused * 1e3, "speedup_vs_reference": t_ref / t_fused,
         "roofline_ms": roof * 1e3, "roofline_fraction": roof / t_fused,
         "reference_peak_gib": ref_peak / 2**30, "fused_peak_gib": fused_peak / 2**30,
@@ -156,7 +165,7 @@ def run_case(name: str, ceil: dict, profile: bool) -> dict:
         "fused_saved_bytes_per_token": fused_saved / (TOKENS * ranks),
         "max_abs_diff_vs_reference": err,
     }
-    log(f"[{name}] fused fwd+bwd {t_fused * 1e3:.3f} ms, x{t_ref / t_fused:.2f} vs reference, "
+    log(f"[{name}/{variant}] fused fwd+bwd {t_fused * 1e3:.3f} ms, x{t_ref / t_fused:.2f} vs reference, "
         f"{100 * roof / t_fused:.0f}% of roofline; peak {fused_peak / 2**30:.2f} GiB (workspaces "
         f"{workspace / 2**30:.2f} GiB, allocated once) vs {ref_peak / 2**30:.2f}; saved per token "
         f"{fused_saved / (TOKENS * ranks):.0f} B vs {ref_saved / (TOKENS * ranks):.0f} B; max diff {err}")
@@ -181,20 +190,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--profile", action="store_true", help="also run a profiled step (per-task busy time)")
+    parser.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
+                        help="tile variants of the fused layer to run on each case")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     ceil = ceilings()
     log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
     results = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "cases": []}
     for name in args.cases:
-        results["cases"].append(run_case(name, ceil, args.profile))
+        for variant in args.variants:
+            results["cases"].append(run_case(name, ceil, args.profile, variant))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(results, f, indent=1)
-    print(f"{'case':16} {'ref ms':>8} {'fused ms':>9} {'speedup':>8} {'roofline':>9} {'ref GiB':>8} {'fused GiB':>9} "
+    print(f"{'case':16} {'tiles':15} {'ref ms':>8} {'fused ms':>9} {'speedup':>8} {'roofline':>9} {'ref GiB':>8} {'fused GiB':>9} "
           f"{'ref B/tok':>10} {'fused B/tok':>11}")
     for r in results["cases"]:
-        print(f"{r['case']:16} {r['reference_ms']:8.2f} {r['fused_ms']:9.2f} {r['speedup_vs_reference']:8.2f} "
+        print(f"{r['case']:16} {r['tiles']:15} {r['reference_ms']:8.2f} {r['fused_ms']:9.2f} {r['speedup_vs_reference']:8.2f} "
               f"{100 * r['roofline_fraction']:8.0f}% {r['reference_peak_gib']:8.2f} {r['fused_peak_gib']:9.2f} "
               f"{r['reference_saved_bytes_per_token']:10.0f} {r['fused_saved_bytes_per_token']:11.0f}")
 

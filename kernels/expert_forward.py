@@ -35,6 +35,13 @@ FEED      route tiles, then the count exchange, then dispatch chunks; taken with
                               by local expert index, the order in which receivers consume them.
 SGATE_UP  the shared expert's gate/up tiles: always ready, so they fill idle time, last.
 
+Operands
+--------
+With ``TMA`` (Hopper and later, 16-byte row strides) the weight blocks of the GEMM tiles come
+through tensor descriptors: the copy engine fills shared memory without the workers' address
+arithmetic. Rows (received, local or activations) stay plain loads: they are written in this
+launch, and plain loads need no fence between the writers' generic proxy and the copy engine's.
+
 Claiming: tickets
 -----------------
 FOLD, DOWN, SDOWN and GATE_UP are claimed by ticket (``queues.ticket``): a worker takes the

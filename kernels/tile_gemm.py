@@ -232,3 +232,60 @@ def down_tile_tma_w(
         b = w_desc.load([w_row0 + n0, k0])
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)
     return acc
+
+
+@triton.jit
+def swiglu_backward_tile_tma(
+    x_rows, g_rows, n_rows, wgu_desc, g_row0, u_row0, wd_desc, d_row0, n0,
+    H: tl.constexpr, I: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``swiglu_backward_tile`` with the weight blocks by TMA.
+
+    ``wgu_desc`` covers the gate/up rows (block ``[BN, BK]``; gate rows from ``g_row0``, up
+    rows from ``u_row0``), ``wd_desc`` the down rows (block ``[BK, BN]``, this expert's from
+    ``d_row0``). A down block past ``H`` reads the next expert's rows, which meet the zero
+    columns of the masked ``g`` block.
+    """
+    rows = tl.arange(0, BM)
+    ks = tl.arange(0, BK)
+    row_ok = rows < n_rows
+    x_rows = x_rows[:, None]
+    g_rows = g_rows[:, None]
+    acc_dh = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, H, BK, num_stages=STAGES):
+        a_mask = row_ok[:, None] & ((k0 + ks) < H)[None, :]
+        a = tl.load(x_rows + (k0 + ks)[None, :], mask=a_mask, other=0.0).to(DOT_DTYPE)
+        dy = tl.load(g_rows + (k0 + ks)[None, :], mask=a_mask, other=0.0).to(DOT_DTYPE)
+        bg = wgu_desc.load([g_row0 + n0, k0]).to(DOT_DTYPE)
+        bu = wgu_desc.load([u_row0 + n0, k0]).to(DOT_DTYPE)
+        bd = wd_desc.load([d_row0 + k0, n0]).to(DOT_DTYPE)
+        acc_dh = tl.dot(dy, bd, acc_dh)
+        acc_g = tl.dot(a, bg.T, acc_g)
+        acc_u = tl.dot(a, bu.T, acc_u)
+    return acc_dh, acc_g, acc_u
+
+
+@triton.jit
+def rows_times_weight_tile_tma(
+    a_ptr, n_rows, w_desc, w_row0, n0,
+    K_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``rows_times_weight_tile`` with the ``[BK, BN]`` weight blocks by TMA from row ``w_row0`` of ``w_desc``.
+
+    A block past ``K_DIM`` reads the next expert's rows, which meet the masked zero columns of ``a``.
+    """
+    rows = tl.arange(0, BM)
+    ks = tl.arange(0, BK)
+    row_ok = rows < n_rows
+    a_rows = a_ptr + rows.to(tl.int64)[:, None] * K_DIM
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :], other=0.0)
+        b = w_desc.load([w_row0 + k0, n0])
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
+    return acc
