@@ -62,7 +62,7 @@ from .signals import (
     ERR_COMBINE, ERR_COUNTS, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
     WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add,
 )
-from .tile_gemm import rows_times_weight_tile, rows_times_weight_tile_tma, swiglu_backward_tile, swiglu_backward_tile_tma
+from .tile_gemm import rows_times_weight_tile, swiglu_backward_tile
 
 PROFILE_SLOTS = ("idle", "layout", "count_exchange", "dispatch", "swiglu_backward", "dx",
                  "route_backward", "fold", "weight_grad", "router_weight_grad")
@@ -106,7 +106,6 @@ def _wait_at_least(ptr, target, wait_bound, SCOPE: tl.constexpr):
 def expert_backward_kernel(
     x_ptr, g_ptr, dx_ptr, topk_e_ptr, topk_w_ptr, n_tokens,
     router_w_ptr, scale, w_gate_up_ptr, w_down_ptr,
-    w_gate_up_desc, w_down_desc, w_gate_up_dx_desc,
     d_router_ptr, d_gate_up_ptr, d_down_ptr,
     peers_ptr, me, wait_bound, profile_ptr,
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, E_L: tl.constexpr, TOP_K: tl.constexpr,
@@ -122,7 +121,6 @@ def expert_backward_kernel(
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
     BN_DH: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BWM: tl.constexpr,
     BWN: tl.constexpr, BHR: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr,
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
@@ -233,14 +231,9 @@ def expert_backward_kernel(
                         tl.debug_barrier()
                         row0 = pick(row_start_el, el_idx, e) + m * BM
                         n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
-                        if TMA:
-                            acc = rows_times_weight_tile_tma(dgu + row0.to(tl.int64) * (2 * I), n_rows,
-                                                             w_gate_up_dx_desc, e * 2 * I, hb * BN_DX,
-                                                             2 * I, BM, BN_DX, BK, DOT_DTYPE, STAGES)
-                        else:
-                            acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
-                                                         w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
-                                                         2 * I, H, BM, BN_DX, BK, DOT_DTYPE, STAGES)
+                        acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
+                                                     w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
+                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, STAGES)
                         rows = row0 + tl.arange(0, BM)
                         row_ok = tl.arange(0, BM) < n_rows
                         src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
@@ -332,15 +325,10 @@ def expert_backward_kernel(
                         row_ok = tl.arange(0, BM) < n_rows
                         x_rows = recv_x + rows.to(tl.int64) * H
                         g_rows = recv_g + rows.to(tl.int64) * H
-                        if TMA:
-                            dh1, a, u = swiglu_backward_tile_tma(x_rows, g_rows, n_rows, w_gate_up_desc, e * 2 * I,
-                                                                 e * 2 * I + I, w_down_desc, e * H, ib * BN_DH,
-                                                                 H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
-                        else:
-                            w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-                            dh1, a, u = swiglu_backward_tile(x_rows, g_rows, n_rows, w_e, w_e + I * H,
-                                                             w_down_ptr + e.to(tl.int64) * H * I, ib * BN_DH,
-                                                             H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
+                        w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+                        dh1, a, u = swiglu_backward_tile(x_rows, g_rows, n_rows, w_e, w_e + I * H,
+                                                         w_down_ptr + e.to(tl.int64) * H * I, ib * BN_DH,
+                                                         H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
                         wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
                         sig = tl.sigmoid(a)
                         silu = a * sig

@@ -39,8 +39,9 @@ Operands
 --------
 With ``TMA`` (Hopper and later, 16-byte row strides) the weight blocks of the GEMM tiles come
 through tensor descriptors: the copy engine fills shared memory without the workers' address
-arithmetic. Rows (received, local or activations) stay plain loads: they are written in this
-launch, and plain loads need no fence between the writers' generic proxy and the copy engine's.
+arithmetic (H200, DeepSeek-V3 one-rank view: in-kernel GEMM 528 -> 608 TFLOP/s). Rows
+(received, local or activations) stay plain loads: they are written in this launch, and plain
+loads need no fence between the writers' generic proxy and the copy engine's.
 
 Claiming: tickets
 -----------------

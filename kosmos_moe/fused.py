@@ -37,8 +37,8 @@ _WHAT = {
 _ERR_SHORT = 11
 
 
-def tma_usable(tiles: Tiles | BackwardTiles, config: MoEConfig, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a kernel reads its weight blocks by TMA (``tiles.tma`` asks for it).
+def tma_usable(tiles: Tiles, config: MoEConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the forward reads its weight blocks by TMA (``tiles.tma`` asks for it).
 
     The copy engine needs Hopper or later (the interpreter emulates it) and 16-byte aligned
     row strides, i.e. hidden and intermediate widths that are multiples of 16 bytes.
@@ -71,6 +71,20 @@ def weight_descriptors(layer: nn.Module, shared: bool, tiles: Tiles) -> tuple:
     return (w_gu, w_dn, TensorDescriptor.from_tensor(mlp.gate_proj.weight.detach(), gu_block),
             TensorDescriptor.from_tensor(mlp.up_proj.weight.detach(), gu_block),
             TensorDescriptor.from_tensor(mlp.down_proj.weight.detach(), dn_block))
+
+
+_EMULATED_HINT = (
+    " In an emulated world one host thread launches every rank: a CUDA kernel loaded lazily on"
+    " first use between two ranks' launches (a shared expert's autograd GEMM, say) waits for the"
+    " running persistent kernel, which waits for the rank not yet launched. Set"
+    " CUDA_MODULE_LOADING=EAGER before CUDA starts, or launch every rank's forward before any backward."
+)
+
+
+def _lazy_loading_emulated(fabric: Fabric) -> bool:
+    """An emulated world of several ranks under CUDA's (default) lazy module loading."""
+    return (fabric.device.type == "cuda" and fabric.world_size > 1 and getattr(fabric, "ranks_per_device", 1) > 1
+            and os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER")
 
 
 class _HostRecords:
@@ -312,6 +326,7 @@ class _PersistentLaunch:
             f"kosmos {self.direction} on rank {rank} of {self.fabric.world_size} timed out after {self.wait_bound} polls "
             f"waiting for {what}. A peer may not have launched its {self.direction}, or launched a different one. "
             "The workspaces of this world are now inconsistent: rebuild the layers."
+            + (_EMULATED_HINT if _lazy_loading_emulated(self.fabric) else "")
         )
         raise self.failed
 
@@ -512,20 +527,9 @@ class FusedBackward(_PersistentLaunch):
         from kosmos_moe.kernels.expert_backward import expert_backward_kernel
 
         c, t = self.config, self.tiles
-        tma = tma_usable(t, c, tokens.dtype, tokens.device)
-        if tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            gu = gate_up_proj.detach().view(-1, gate_up_proj.shape[-1])
-            descriptors = (TensorDescriptor.from_tensor(gu, [t.swiglu_cols, t.depth]),
-                           TensorDescriptor.from_tensor(down_proj.detach().view(-1, down_proj.shape[-1]),
-                                                        [t.depth, t.swiglu_cols]),
-                           TensorDescriptor.from_tensor(gu, [t.depth, t.dx_cols]))
-        else:
-            descriptors = (gate_up_proj, down_proj, gate_up_proj)
         args = (
             tokens, grad_out, dx, top_e, top_w, n,
-            router_weight, float(c.routed_scaling_factor), gate_up_proj, down_proj, *descriptors,
+            router_weight, float(c.routed_scaling_factor), gate_up_proj, down_proj,
             d_router, d_gate_up, d_down,
             self.workspace.peers, self.fabric.rank, self.wait_bound,
             self.profile if self.profile is not None else self.workspace.peers,
@@ -535,7 +539,7 @@ class FusedBackward(_PersistentLaunch):
             BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
             BN_DH=t.swiglu_cols, BN_DX=t.dx_cols, BK=t.depth, BKW=t.wgrad_depth, BWM=t.wgrad_rows,
             BWN=t.wgrad_cols, BHR=t.route_cols, BTF=t.fold_tokens, BHF=t.fold_cols, STAGES=t.stages,
-            TMA=tma, PROFILE=self.profile is not None,
+            PROFILE=self.profile is not None,
             num_warps=t.warps,
         )
         _run(expert_backward_kernel, (self.workers,), args, kwargs, warmup)

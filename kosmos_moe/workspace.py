@@ -151,7 +151,6 @@ class BackwardTiles:
     fold_cols: int = 512         # BHF
     stages: int = 3
     warps: int = 8
-    tma: bool = True             # weight blocks by TMA, as in Tiles
 
 
 GPU_BACKWARD_TILES = BackwardTiles()

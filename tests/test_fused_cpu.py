@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from kosmos_moe import ExpertLayer
-from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES, INTERPRETER_TILES
+from kosmos_moe.workspace import INTERPRETER_TILES
 from multiprocess import run_world
 
 INTERPRET = {"TRITON_INTERPRET": "1"}
@@ -39,7 +39,7 @@ CASES = {
         counts=[16, 9, 30, 2], workers=2,
         # The pointer-load weight tiles (GPUs before Hopper, rows of no multiple of 16 bytes);
         # the other cases read weights by TMA, as on the H200.
-        tiles=replace(INTERPRETER_TILES, tma=False), backward_tiles=replace(INTERPRETER_BACKWARD_TILES, tma=False),
+        tiles=replace(INTERPRETER_TILES, tma=False),
     ),
 }
 SKEWS = ("none", "one_expert", "one_rank")
@@ -62,7 +62,7 @@ def build(rank, world, case, skew, max_tokens):
     fabric = None
     group = dist.group.WORLD if world > 1 else None
     fused = ExpertLayer(**shape, backend="kosmos", group=group, max_tokens_per_rank=max_tokens,
-                        workers_per_rank=spec["workers"], fused_options=dict(tiles=spec.get("tiles"), backward_tiles=spec.get("backward_tiles")))
+                        workers_per_rank=spec["workers"], fused_options=dict(tiles=spec.get("tiles")))
     fused.load_full_state_dict(full.state_dict())
     return full, fused
 
