@@ -78,14 +78,6 @@ class EmulatedWorld:
     ``world.rank(r)`` is the fabric of rank r. Launches never wait on the host, so calling each
     rank's layer in turn, each under :meth:`run`'s per-rank stream, keeps all R kernels in
     flight together.
-
-    One thing stalls such a world: CUDA loads a kernel's module on first use, and that load
-    waits for the kernels running on the device. A rank whose persistent kernel waits for a
-    peer not yet launched, followed on the host by a first use of some other kernel (a shared
-    expert's autograd GEMM between one rank's forward and the next rank's), deadlocks until the
-    wait bound. Run emulated worlds that train with ``CUDA_MODULE_LOADING=EAGER`` (the GPU tests
-    do), or launch every rank's forward before any backward. One process per GPU does not have
-    the problem: every rank launches its own kernel before its host thread can block.
     """
 
     def __init__(self, world_size: int, device: torch.device | str = "cuda") -> None:
@@ -142,8 +134,14 @@ class EmulatedWorld:
         if self.streams is None:
             return [fn(r, *(a[r] for a in per_rank_args)) for r in range(self.world_size)]
         current = torch.cuda.current_stream(self.device)
+        # Every rank starts after what the caller queued before this call, and after nothing
+        # else: work that rank r's fn leaves on the caller's stream (autograd accumulates some
+        # gradients there) waits for rank r's kernels, which wait for rank r + 1's; had rank
+        # r + 1's stream waited for the caller's stream now, its kernels would never start.
+        start = torch.cuda.Event()
+        start.record(current)
         for r, stream in enumerate(self.streams):
-            stream.wait_stream(current)
+            stream.wait_event(start)
             with torch.cuda.stream(stream):
                 results.append(fn(r, *(a[r] for a in per_rank_args)))
         for stream in self.streams:

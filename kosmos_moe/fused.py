@@ -73,20 +73,6 @@ def weight_descriptors(layer: nn.Module, shared: bool, tiles: Tiles) -> tuple:
             TensorDescriptor.from_tensor(mlp.down_proj.weight.detach(), dn_block))
 
 
-_EMULATED_HINT = (
-    " In an emulated world one host thread launches every rank: a CUDA kernel loaded lazily on"
-    " first use between two ranks' launches (a shared expert's autograd GEMM, say) waits for the"
-    " running persistent kernel, which waits for the rank not yet launched. Set"
-    " CUDA_MODULE_LOADING=EAGER before CUDA starts, or launch every rank's forward before any backward."
-)
-
-
-def _lazy_loading_emulated(fabric: Fabric) -> bool:
-    """An emulated world of several ranks under CUDA's (default) lazy module loading."""
-    return (fabric.device.type == "cuda" and fabric.world_size > 1 and getattr(fabric, "ranks_per_device", 1) > 1
-            and os.environ.get("CUDA_MODULE_LOADING", "LAZY").upper() != "EAGER")
-
-
 class _HostRecords:
     """A process-wide ring of pinned error-record slots, allocated once.
 
@@ -326,7 +312,6 @@ class _PersistentLaunch:
             f"kosmos {self.direction} on rank {rank} of {self.fabric.world_size} timed out after {self.wait_bound} polls "
             f"waiting for {what}. A peer may not have launched its {self.direction}, or launched a different one. "
             "The workspaces of this world are now inconsistent: rebuild the layers."
-            + (_EMULATED_HINT if _lazy_loading_emulated(self.fabric) else "")
         )
         raise self.failed
 

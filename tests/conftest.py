@@ -1,11 +1,5 @@
-import os
 import sys
 from pathlib import Path
-
-# Emulated worlds drive every rank from this one thread: a kernel module loaded lazily between
-# two ranks' launches waits for the first rank's persistent kernel, which waits for the second
-# (kosmos_moe.fabric.EmulatedWorld). Load every module when CUDA starts instead.
-os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
 
 # The oracle and the multi-process helpers live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
