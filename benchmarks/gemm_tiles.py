@@ -33,35 +33,45 @@ SHAPES = {
     "qwen3_rank": (4096, 1536, 16, 4096, 8),
 }
 
-# (rows, gate/up columns, down columns, depth, stages, warps)
+# (rows, gate/up columns, down columns, depth, stages, warps, weights by TMA: tile_gemm's *_tma tiles)
 VARIANTS = {
-    "fused_default": (128, 128, 128, 64, 3, 8),
-    "down256": (128, 128, 256, 64, 3, 8),
-    "stages4": (128, 128, 128, 64, 4, 8),
-    "gu64_down256_s4": (128, 64, 256, 64, 4, 8),
-    "bk128_s2": (128, 128, 128, 128, 2, 8),
-    "rows64_w4": (64, 128, 128, 64, 4, 4),
+    "fused_default": (128, 128, 128, 64, 3, 8, False),
+    "down256": (128, 128, 256, 64, 3, 8, False),
+    "stages4": (128, 128, 128, 64, 4, 8, False),
+    "gu64_down256_s4": (128, 64, 256, 64, 4, 8, False),
+    "bk128_s2": (128, 128, 128, 128, 2, 8, False),
+    "rows64_w4": (64, 128, 128, 64, 4, 4, False),
+    "tma_default": (128, 128, 128, 64, 3, 8, True),
+    "tma_down256": (128, 128, 256, 64, 3, 8, True),
+    "tma_stages4": (128, 128, 256, 64, 4, 8, True),
+    "tma_gu64_s4": (128, 64, 256, 64, 4, 8, True),
+    "tma_w4": (128, 64, 128, 64, 4, 4, True),
 }
-# The same tiles with their operands read by TMA (tile_gemm's *_tma functions).
-TMA_VARIANTS = {
-    "tma_default": (128, 128, 128, 64, 3, 8),
-    "tma_down256": (128, 128, 256, 64, 3, 8),
-    "tma_stages4": (128, 128, 256, 64, 4, 8),
-    "tma_gu64_s4": (128, 64, 256, 64, 4, 8),
-    "tma_w4": (128, 64, 128, 64, 4, 4),
-}
+
+
+@triton.jit
+def _task(tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles):
+    """This program's (column block, first row, row count, expert); the row tile runs fastest, so
+    that programs running together share one weight block."""
+    pid = tl.program_id(0)
+    t = pid % n_tiles
+    return pid // n_tiles, tl.load(tile_row0_ptr + t), tl.load(tile_rows_ptr + t), tl.load(tile_expert_ptr + t)
+
+
+@triton.jit
+def _store_rows(acc, y_ptr, row0, n_rows, n0, H: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """Store a down tile ``acc`` at rows ``row0 + [0, n_rows)`` and columns ``n0 + [0, BN)`` of ``y``."""
+    rows = tl.arange(0, BM)
+    cols = n0 + tl.arange(0, BN)
+    dst = y_ptr + (row0 + rows).to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < H)[None, :])
 
 
 @triton.jit
 def _gate_up_grid(x_ptr, token_of_row_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles,
                   w_gate_up_ptr, h_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                   BK: tl.constexpr, STAGES: tl.constexpr, GATHER: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    pid = tl.program_id(0)
-    ib = pid // n_tiles
-    t = pid % n_tiles  # row tile fastest: programs running together share one weight block
-    row0 = tl.load(tile_row0_ptr + t)
-    n_rows = tl.load(tile_rows_ptr + t)
-    e = tl.load(tile_expert_ptr + t)
+    ib, row0, n_rows, e = _task(tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles)
     rows = row0 + tl.arange(0, BM)
     if GATHER:
         tok = tl.load(token_of_row_ptr + rows, mask=tl.arange(0, BM) < n_rows, other=0)
@@ -77,30 +87,17 @@ def _gate_up_grid(x_ptr, token_of_row_ptr, tile_row0_ptr, tile_rows_ptr, tile_ex
 def _down_grid(h_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles, w_down_ptr, y_ptr,
                H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    pid = tl.program_id(0)
-    hb = pid // n_tiles
-    t = pid % n_tiles
-    row0 = tl.load(tile_row0_ptr + t)
-    n_rows = tl.load(tile_rows_ptr + t)
-    e = tl.load(tile_expert_ptr + t)
+    hb, row0, n_rows, e = _task(tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles)
     acc = down_tile(h_ptr + row0.to(tl.int64) * I, n_rows, w_down_ptr + e.to(tl.int64) * H * I, hb * BN,
                     I, H, BM, BN, BK, DOT_DTYPE, STAGES)
-    rows = tl.arange(0, BM)
-    cols = hb * BN + tl.arange(0, BN)
-    dst = y_ptr + (row0 + rows).to(tl.int64)[:, None] * H + cols[None, :]
-    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < H)[None, :])
+    _store_rows(acc, y_ptr, row0, n_rows, hb * BN, H, BM, BN)
 
 
 @triton.jit
 def _gate_up_grid_tma(x_ptr, x_desc, token_of_row_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles,
                       w_desc, h_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, STAGES: tl.constexpr, GATHER: tl.constexpr, DOT_DTYPE: tl.constexpr):
-    pid = tl.program_id(0)
-    ib = pid // n_tiles
-    t = pid % n_tiles
-    row0 = tl.load(tile_row0_ptr + t)
-    n_rows = tl.load(tile_rows_ptr + t)
-    e = tl.load(tile_expert_ptr + t)
+    ib, row0, n_rows, e = _task(tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles)
     h_rows = h_ptr + row0.to(tl.int64) * I
     if GATHER:
         tok = tl.load(token_of_row_ptr + row0 + tl.arange(0, BM), mask=tl.arange(0, BM) < n_rows, other=0)
@@ -115,21 +112,13 @@ def _gate_up_grid_tma(x_ptr, x_desc, token_of_row_ptr, tile_row0_ptr, tile_rows_
 def _down_grid_tma(h_ptr, h_desc, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles, w_desc, y_ptr,
                    H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                    STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, ROWS_BY_TMA: tl.constexpr):
-    pid = tl.program_id(0)
-    hb = pid // n_tiles
-    t = pid % n_tiles
-    row0 = tl.load(tile_row0_ptr + t)
-    n_rows = tl.load(tile_rows_ptr + t)
-    e = tl.load(tile_expert_ptr + t)
+    hb, row0, n_rows, e = _task(tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles)
     if ROWS_BY_TMA:
         acc = down_tile_tma(h_desc, row0, w_desc, e * H, hb * BN, I, BK, BM, BN, DOT_DTYPE, STAGES)
     else:
         acc = down_tile_tma_w(h_ptr + row0.to(tl.int64) * I, n_rows, w_desc, e * H, hb * BN, I, BM, BN, BK,
                               DOT_DTYPE, STAGES)
-    rows = tl.arange(0, BM)
-    cols = hb * BN + tl.arange(0, BN)
-    dst = y_ptr + (row0 + rows).to(tl.int64)[:, None] * H + cols[None, :]
-    tl.store(dst, acc.to(y_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < H)[None, :])
+    _store_rows(acc, y_ptr, row0, n_rows, hb * BN, H, BM, BN)
 
 
 def tiles_of(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -152,7 +141,7 @@ def report(name: str, label: str, res: dict) -> None:
           f"(max diff h {res['h_max_diff']:.3g}, y {res['y_max_diff']:.3g})", file=sys.stderr, flush=True)
 
 
-def run_shape(name: str, variants: dict, tma_variants: dict) -> dict:
+def run_shape(name: str, variants: dict) -> dict:
     H, I, E, T, K = SHAPES[name]
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
@@ -178,55 +167,44 @@ def run_shape(name: str, variants: dict, tma_variants: dict) -> dict:
     print(f"[{name}] {R} rows; grouped_mm gate/up {out['grouped_mm_gate_up_tflops']:.0f} TFLOP/s, "
           f"down {out['grouped_mm_down_tflops']:.0f} TFLOP/s", file=sys.stderr, flush=True)
 
-    for label, (bm, bn_gu, bn_dn, bk, stages, warps) in variants.items():
-        row0, n_rows, ex = tiles_of(counts, bm)
-        nt = row0.numel()
-        h = torch.empty(R, I, device=dev, dtype=dt)
-        y = torch.empty(R, H, device=dev, dtype=dt)
-        res = {}
-        for gather in (True, False):
-            src = x if gather else rows
-            launch = lambda: _gate_up_grid[(nt * triton.cdiv(I, bn_gu),)](  # noqa: E731
-                src, token_of_row, row0, n_rows, ex, nt, w_gate_up, h, H, I, bm, bn_gu, bk, stages, gather, tl.bfloat16,
-                num_warps=warps)
-            launch()
-            torch.cuda.synchronize()
-            res["gate_up_gather" if gather else "gate_up_contiguous"] = flops_gu / timed(launch) / 1e12
-            res["h_max_diff"] = (h.float() - h_ref.float()).abs().max().item()
-        launch = lambda: _down_grid[(nt * triton.cdiv(H, bn_dn),)](  # noqa: E731
-            h_ref, row0, n_rows, ex, nt, w_down, y, H, I, bm, bn_dn, bk, stages, tl.bfloat16, num_warps=warps)
+    def measure(launch, flops, got, want):
+        """TFLOP/s of ``launch`` and the largest difference of its result from ``want``."""
         launch()
         torch.cuda.synchronize()
-        res["down"] = flops_dn / timed(launch) / 1e12
-        res["y_max_diff"] = (y.float() - y_ref.float()).abs().max().item()
-        out["variants"][label] = res
-        report(name, label, res)
-    for label, (bm, bn_gu, bn_dn, bk, stages, warps) in tma_variants.items():
+        return flops / timed(launch) / 1e12, (got.float() - want.float()).abs().max().item()
+
+    for label, (bm, bn_gu, bn_dn, bk, stages, warps, tma) in variants.items():
         row0, n_rows, ex = tiles_of(counts, bm)
         nt = row0.numel()
+        gu_grid, dn_grid = (nt * triton.cdiv(I, bn_gu),), (nt * triton.cdiv(H, bn_dn),)
         h = torch.empty(R, I, device=dev, dtype=dt)
         y = torch.empty(R, H, device=dev, dtype=dt)
-        w_gu_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * 2 * I, H), [bn_gu, bk])
-        w_dn_desc = TensorDescriptor.from_tensor(w_down.view(E * H, I), [bn_dn, bk])
-        rows_desc = TensorDescriptor.from_tensor(rows, [bm, bk])
-        h_desc = TensorDescriptor.from_tensor(h_ref, [bm, bk])
+        if tma:
+            w_gu_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * 2 * I, H), [bn_gu, bk])
+            w_dn_desc = TensorDescriptor.from_tensor(w_down.view(E * H, I), [bn_dn, bk])
+            rows_desc = TensorDescriptor.from_tensor(rows, [bm, bk])
+            h_desc = TensorDescriptor.from_tensor(h_ref, [bm, bk])
         res = {}
         for gather in (True, False):
-            launch = lambda: _gate_up_grid_tma[(nt * triton.cdiv(I, bn_gu),)](  # noqa: E731
-                x, rows_desc, token_of_row, row0, n_rows, ex, nt, w_gu_desc, h, H, I, bm, bn_gu, bk, stages, gather,
-                tl.bfloat16, num_warps=warps)
-            launch()
-            torch.cuda.synchronize()
-            res["gate_up_gather" if gather else "gate_up_contiguous"] = flops_gu / timed(launch) / 1e12
-            res["h_max_diff"] = (h.float() - h_ref.float()).abs().max().item()
-        for rows_by_tma in (False, True):
-            launch = lambda: _down_grid_tma[(nt * triton.cdiv(H, bn_dn),)](  # noqa: E731
-                h_ref, h_desc, row0, n_rows, ex, nt, w_dn_desc, y, H, I, bm, bn_dn, bk, stages, tl.bfloat16,
-                rows_by_tma, num_warps=warps)
-            launch()
-            torch.cuda.synchronize()
-            res["down_rows_tma" if rows_by_tma else "down"] = flops_dn / timed(launch) / 1e12
-            res["y_max_diff"] = (y.float() - y_ref.float()).abs().max().item()
+            if tma:
+                launch = lambda: _gate_up_grid_tma[gu_grid](  # noqa: E731
+                    x, rows_desc, token_of_row, row0, n_rows, ex, nt, w_gu_desc, h, H, I, bm, bn_gu, bk, stages,
+                    gather, tl.bfloat16, num_warps=warps)
+            else:
+                launch = lambda: _gate_up_grid[gu_grid](  # noqa: E731
+                    x if gather else rows, token_of_row, row0, n_rows, ex, nt, w_gate_up, h, H, I, bm, bn_gu, bk,
+                    stages, gather, tl.bfloat16, num_warps=warps)
+            res["gate_up_gather" if gather else "gate_up_contiguous"], res["h_max_diff"] = measure(
+                launch, flops_gu, h, h_ref)
+        for rows_by_tma in ((False, True) if tma else (False,)):
+            if tma:
+                launch = lambda: _down_grid_tma[dn_grid](  # noqa: E731
+                    h_ref, h_desc, row0, n_rows, ex, nt, w_dn_desc, y, H, I, bm, bn_dn, bk, stages, tl.bfloat16,
+                    rows_by_tma, num_warps=warps)
+            else:
+                launch = lambda: _down_grid[dn_grid](  # noqa: E731
+                    h_ref, row0, n_rows, ex, nt, w_down, y, H, I, bm, bn_dn, bk, stages, tl.bfloat16, num_warps=warps)
+            res["down_rows_tma" if rows_by_tma else "down"], res["y_max_diff"] = measure(launch, flops_dn, y, y_ref)
         out["variants"][label] = res
         report(name, label, res)
     return out
@@ -235,13 +213,10 @@ def run_shape(name: str, variants: dict, tma_variants: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS) + list(TMA_VARIANTS),
-                   choices=list(VARIANTS) + list(TMA_VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    plain = {v: VARIANTS[v] for v in args.variants if v in VARIANTS}
-    tma = {v: TMA_VARIANTS[v] for v in args.variants if v in TMA_VARIANTS}
-    results = [run_shape(s, plain, tma) for s in args.shapes]
+    results = [run_shape(s, {v: VARIANTS[v] for v in args.variants}) for s in args.shapes]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shapes": results}, f, indent=1)

@@ -56,10 +56,12 @@ import triton
 import triton.language as tl
 
 from .profile import now
-from .queues import claim, dispatch_chunk, fold_block, locate, pick, recv_table
+from .queues import (
+    claim, count_flags, dispatch_chunk, expert_rows, fold_block, locate, pick, poll_counts, record_missing_counts,
+)
 from .route import router_logits, routing_backward
 from .signals import (
-    ERR_COMBINE, ERR_COUNTS, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
+    ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
     WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import rows_times_weight_tile, swiglu_backward_tile
@@ -185,15 +187,9 @@ def expert_backward_kernel(
     while running > 0:
         t_pass = now() if PROFILE else 0
         did = 0
-        if known == 0:
-            flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-            known = tl.sum(((flags >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
-            tl.debug_barrier()
-            table = tl.where(known, recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE), 0)
-        n_el = tl.sum(table, axis=0)
-        tiles_el = tl.cdiv(n_el, BM)
-        tile_start_el = tl.cumsum(tiles_el, axis=0) - tiles_el
-        row_start_el = tl.cumsum(n_el, axis=0) - n_el
+        known, flags, table = poll_counts(ctl, known, flags, table, epoch, par, me, W, W_PAD, E, E_L, EL_PAD,
+                                          C_FLAG, C_TABLE, SCOPE)
+        n_el, tiles_el, tile_start_el, row_start_el = expert_rows(table, BM)
         cum_dh = tl.cumsum(tiles_el * N_IB, axis=0)
         cum_dx = tl.cumsum(tiles_el * N_HB, axis=0)
         n_dh = tl.sum(tiles_el * N_IB, axis=0)
@@ -425,15 +421,13 @@ def expert_backward_kernel(
                     polls = 0
                     all_in = known
                     while (all_in == 0) & (polls <= wait_bound):
-                        fl = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-                        all_in = tl.sum(((fl >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+                        _, all_in = count_flags(ctl, epoch, W, W_PAD, C_FLAG, SCOPE)
                         polls += 1
                     if lists < n_lt:
                         record_error(err, abort, ERR_LAYOUT, me, a, me, 2, n_lt, lists)
                     elif all_in == 0:
-                        fl = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-                        missing = tl.min(tl.where((fl < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
-                        record_error(err, abort, ERR_COUNTS, me, a, missing, 0, epoch, pick(fl, w_idx, missing))
+                        fl, _ = count_flags(ctl, epoch, W, W_PAD, C_FLAG, SCOPE)
+                        record_missing_counts(err, abort, me, a, fl, epoch, W, W_PAD)
                     else:
                         tl.debug_barrier()
                         dispatch_chunk(ctl, peers_ptr, me, par, a - 2 * n_lt - 1, x_ptr, g_ptr, topk_w_ptr,
@@ -551,8 +545,7 @@ def expert_backward_kernel(
                 idle += 1
                 if idle > wait_bound:
                     if known == 0:
-                        missing = tl.min(tl.where((flags < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
-                        record_error(err, abort, ERR_COUNTS, me, -1, missing, 0, epoch, pick(flags, w_idx, missing))
+                        record_missing_counts(err, abort, me, -1, flags, epoch, W, W_PAD)
                     elif held_dh >= 0:
                         g = held_dh
                         e, first = locate(cum_dh, el_idx, g)

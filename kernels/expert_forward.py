@@ -89,10 +89,13 @@ import triton
 import triton.language as tl
 
 from .profile import now
-from .queues import claim as _claim, dispatch_chunk, fold_block, locate as _locate, pick as _pick, recv_table as _recv_table
+from .queues import (
+    claim as _claim, count_flags, dispatch_chunk, expert_rows, fold_block, locate as _locate, pick as _pick,
+    poll_counts, record_missing_counts,
+)
 from .route import router_logits, top_k_routing
 from .signals import (
-    ERR_COMBINE, ERR_COUNTS, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
+    ERR_COMBINE, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
     WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import down_tile, down_tile_tma_w, gate_up_tile, gate_up_tile_tma
@@ -206,15 +209,9 @@ def expert_forward_kernel(
     while running > 0:
         t_pass = now() if PROFILE else 0
         did = 0  # the kind of task this pass ran (0: none); see PROFILE_SLOTS
-        if known == 0:
-            flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-            known = tl.sum(((flags >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
-            tl.debug_barrier()
-            table = tl.where(known, _recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE), 0)
-        n_el = tl.sum(table, axis=0)                      # rows per local expert
-        tiles_el = tl.cdiv(n_el, BM)
-        tile_start_el = tl.cumsum(tiles_el, axis=0) - tiles_el
-        row_start_el = tl.cumsum(n_el, axis=0) - n_el
+        known, flags, table = poll_counts(ctl, known, flags, table, epoch, par, me, W, W_PAD, E, E_L, EL_PAD,
+                                          C_FLAG, C_TABLE, SCOPE)
+        n_el, tiles_el, tile_start_el, row_start_el = expert_rows(table, BM)
         cum_gu = tl.cumsum(tiles_el * N_IB, axis=0)
         cum_dn = tl.cumsum(tiles_el * N_HB, axis=0)
         n_gu = tl.sum(tiles_el * N_IB, axis=0)
@@ -391,14 +388,11 @@ def expert_forward_kernel(
                     polls = 0
                     all_in = known
                     while (all_in == 0) & (polls <= wait_bound):
-                        fl = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-                        all_in = tl.sum(((fl >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+                        _, all_in = count_flags(ctl, epoch, W, W_PAD, C_FLAG, SCOPE)
                         polls += 1
                     if all_in == 0:
-                        fl = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
-                        missing = tl.min(tl.where((fl < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
-                        record_error(err, abort, ERR_COUNTS, me, a, missing, 0, epoch,
-                                     _pick(fl, w_idx, missing))
+                        fl, _ = count_flags(ctl, epoch, W, W_PAD, C_FLAG, SCOPE)
+                        record_missing_counts(err, abort, me, a, fl, epoch, W, W_PAD)
                     else:
                         tl.debug_barrier()
                         dispatch_chunk(ctl, peers_ptr, me, par, a - n_route - 1, x_ptr, x_ptr, topk_w,
@@ -435,8 +429,7 @@ def expert_forward_kernel(
                 if idle > wait_bound:
                     # Name the earliest thing this rank is still waiting for.
                     if known == 0:
-                        missing = tl.min(tl.where((flags < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
-                        record_error(err, abort, ERR_COUNTS, me, -1, missing, 0, epoch, _pick(flags, w_idx, missing))
+                        record_missing_counts(err, abort, me, -1, flags, epoch, W, W_PAD)
                     elif held_gu >= 0:
                         e, first = _locate(cum_gu, el_idx, held_gu)
                         arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,

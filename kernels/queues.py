@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .signals import peer_ptr, signal_add
+from .signals import ERR_COUNTS, peer_ptr, record_error, signal_add
 
 
 @triton.jit
@@ -58,6 +58,46 @@ def recv_table(ctl, par, me, W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constex
     el = tl.arange(0, EL_PAD)[None, :]
     return tl.load(ctl + C_TABLE + par * W * E + src * E + me * E_L + el,
                    mask=(src < W) & (el < E_L), other=0)
+
+
+@triton.jit
+def count_flags(ctl, epoch, W: tl.constexpr, W_PAD: tl.constexpr, C_FLAG: tl.constexpr, SCOPE: tl.constexpr):
+    """Every rank's count-exchange flag here (acquire), and whether all show this call's ``epoch``."""
+    w_idx = tl.arange(0, W_PAD)
+    flags = tl.atomic_add(ctl + C_FLAG + w_idx, 0, mask=w_idx < W, sem="acquire", scope=SCOPE)
+    return flags, tl.sum(((flags >= epoch) & (w_idx < W)).to(tl.int32), axis=0) == W
+
+
+@triton.jit
+def record_missing_counts(err, abort, me, task, flags, epoch, W: tl.constexpr, W_PAD: tl.constexpr):
+    """Record a timeout on the first rank whose ``flags`` entry does not show this call's counts."""
+    w_idx = tl.arange(0, W_PAD)
+    missing = tl.min(tl.where((flags < epoch) & (w_idx < W), w_idx, W_PAD), axis=0)
+    record_error(err, abort, ERR_COUNTS, me, task, missing, 0, epoch, pick(flags, w_idx, missing))
+
+
+@triton.jit
+def poll_counts(ctl, known, flags, table, epoch, par, me, W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constexpr,
+                E_L: tl.constexpr, EL_PAD: tl.constexpr, C_FLAG: tl.constexpr, C_TABLE: tl.constexpr,
+                SCOPE: tl.constexpr):
+    """One pass's look at the count exchange: ``(known, flags, table)``.
+
+    Until every rank's counts of this call are in, read the flags, and the receive table once
+    they are; after that keep both (peers write the next call's counts into the other parity).
+    """
+    if known == 0:
+        flags, known = count_flags(ctl, epoch, W, W_PAD, C_FLAG, SCOPE)
+        tl.debug_barrier()
+        table = tl.where(known, recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE), 0)
+    return known, flags, table
+
+
+@triton.jit
+def expert_rows(table, BM: tl.constexpr):
+    """From the receive table: rows per local expert, their row tiles, and each expert's first tile and row."""
+    n_el = tl.sum(table, axis=0)
+    tiles_el = tl.cdiv(n_el, BM)
+    return n_el, tiles_el, tl.cumsum(tiles_el, axis=0) - tiles_el, tl.cumsum(n_el, axis=0) - n_el
 
 
 @triton.jit

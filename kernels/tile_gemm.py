@@ -13,6 +13,14 @@ import triton.language as tl
 
 
 @triton.jit
+def store_swiglu(acc_g, acc_u, h_ptr, rows, cols, row_ok, N_DIM: tl.constexpr):
+    """The gate/up tiles' epilogue: ``h[rows, cols] = silu(acc_g) * acc_u`` in ``h``'s dtype, masked."""
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    out = h_ptr + rows.to(tl.int64)[:, None] * N_DIM + cols[None, :]
+    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N_DIM)[None, :])
+
+
+@triton.jit
 def gate_up_tile(
     a_rows, n_rows, w_gate_ptr, w_up_ptr, h_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
@@ -42,9 +50,7 @@ def gate_up_tile(
         a = a.to(DOT_DTYPE)
         acc_g = tl.dot(a, bg.to(DOT_DTYPE), acc_g)
         acc_u = tl.dot(a, bu.to(DOT_DTYPE), acc_u)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    out = h_ptr + rows.to(tl.int64)[:, None] * N_DIM + cols[None, :]
-    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    store_swiglu(acc_g, acc_u, h_ptr, rows, cols, row_ok, N_DIM)
 
 
 @triton.jit
@@ -166,9 +172,7 @@ def gate_up_tile_tma(
         a = a.to(DOT_DTYPE)
         acc_g = tl.dot(a, bg.to(DOT_DTYPE).T, acc_g)
         acc_u = tl.dot(a, bu.to(DOT_DTYPE).T, acc_u)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    out = h_ptr + rows.to(tl.int64)[:, None] * N_DIM + cols[None, :]
-    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < N_DIM)[None, :])
+    store_swiglu(acc_g, acc_u, h_ptr, rows, cols, row_ok, N_DIM)
 
 
 @triton.jit
@@ -209,9 +213,7 @@ def gate_up_tile_tma_rows(
         bu = w_desc.load([up_row0 + n0, k0])
         acc_g = tl.dot(a, bg.to(DOT_DTYPE).T, acc_g)
         acc_u = tl.dot(a, bu.to(DOT_DTYPE).T, acc_u)
-    h = acc_g * tl.sigmoid(acc_g) * acc_u
-    out = h_ptr + rows.to(tl.int64)[:, None] * N_DIM + cols[None, :]
-    tl.store(out, h.to(h_ptr.dtype.element_ty), mask=(rows < n_rows)[:, None] & (cols < N_DIM)[None, :])
+    store_swiglu(acc_g, acc_u, h_ptr, rows, cols, rows < n_rows, N_DIM)
 
 
 @triton.jit

@@ -135,9 +135,9 @@ class EmulatedWorld:
             return [fn(r, *(a[r] for a in per_rank_args)) for r in range(self.world_size)]
         current = torch.cuda.current_stream(self.device)
         # Every rank starts after what the caller queued before this call, and after nothing
-        # else: work that rank r's fn leaves on the caller's stream (autograd accumulates some
-        # gradients there) waits for rank r's kernels, which wait for rank r + 1's; had rank
-        # r + 1's stream waited for the caller's stream now, its kernels would never start.
+        # else: any work rank r's fn leaves on the caller's stream waits for rank r's kernels,
+        # which wait for rank r + 1's; had rank r + 1's stream waited for the caller's stream
+        # as it stands at its turn, its kernels would never start.
         start = torch.cuda.Event()
         start.record(current)
         for r, stream in enumerate(self.streams):

@@ -47,12 +47,12 @@ def tma_usable(tiles: Tiles, config: MoEConfig, dtype: torch.dtype, device: torc
         return False
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
         return False
-    es = torch.tensor([], dtype=dtype).element_size()
+    es = dtype.itemsize
     widths = (config.hidden_size, config.moe_intermediate_size, config.shared_intermediate_size or 8)
     return all(w * es % 16 == 0 for w in widths)
 
 
-def weight_descriptors(layer: nn.Module, shared: bool, tiles: Tiles) -> tuple:
+def weight_descriptors(experts: nn.Module, shared_mlp: nn.Module | None, tiles: Tiles) -> tuple:
     """TMA descriptors of the routed and shared expert weights, in the forward kernel's order.
 
     Each covers all of a weight's rows (``[experts * rows, K]``), with the block the tiles read:
@@ -61,16 +61,15 @@ def weight_descriptors(layer: nn.Module, shared: bool, tiles: Tiles) -> tuple:
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    gu, dn = layer.experts.gate_up_proj, layer.experts.down_proj
+    gu, dn = experts.gate_up_proj, experts.down_proj
     gu_block, dn_block = [tiles.gate_up_cols, tiles.depth], [tiles.down_cols, tiles.depth]
     w_gu = TensorDescriptor.from_tensor(gu.detach().view(-1, gu.shape[-1]), gu_block)
     w_dn = TensorDescriptor.from_tensor(dn.detach().view(-1, dn.shape[-1]), dn_block)
-    mlp = layer.shared_experts if shared else None
-    if mlp is None:
+    if shared_mlp is None:
         return w_gu, w_dn, w_gu, w_gu, w_dn
-    return (w_gu, w_dn, TensorDescriptor.from_tensor(mlp.gate_proj.weight.detach(), gu_block),
-            TensorDescriptor.from_tensor(mlp.up_proj.weight.detach(), gu_block),
-            TensorDescriptor.from_tensor(mlp.down_proj.weight.detach(), dn_block))
+    return (w_gu, w_dn, TensorDescriptor.from_tensor(shared_mlp.gate_proj.weight.detach(), gu_block),
+            TensorDescriptor.from_tensor(shared_mlp.up_proj.weight.detach(), gu_block),
+            TensorDescriptor.from_tensor(shared_mlp.down_proj.weight.detach(), dn_block))
 
 
 class _HostRecords:
@@ -423,7 +422,7 @@ class FusedForward(_PersistentLaunch):
             x, out, n,
             gate.weight, bias if bias is not None else dummy, float(c.routed_scaling_factor),
             *weights,
-            *(weight_descriptors(layer, shared, t) if tma else weights),
+            *(weight_descriptors(experts, shared_mlp, t) if tma else weights),
             self.workspace.peers, self.fabric.rank, self.wait_bound,
             self.profile if self.profile is not None else self.workspace.peers,
         )
