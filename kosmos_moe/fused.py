@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -20,6 +23,11 @@ from .workspace import (
 # (one pass of the worker loop in numpy) about a millisecond: both are tens of seconds.
 GPU_WAIT_BOUND = 1 << 25
 INTERPRETER_WAIT_BOUND = 50_000
+
+# ``logging.getLogger("kosmos_moe.fused").setLevel(logging.DEBUG)`` logs every launch with its
+# host time, rank and stream: in an emulated world, a rank whose launch comes seconds after
+# its peers' shows where the host stalled while their kernels waited for it.
+log = logging.getLogger(__name__)
 
 _ERROR_WORDS = 8
 _WHAT = {
@@ -122,9 +130,12 @@ def _load(compiled) -> None:
         compiled._init_handles()  # cuModuleLoad + cuModuleGetFunction now, not at first launch
 
 
-def _run(kernel, grid, args, kwargs, warmup: bool) -> None:
+def _run(kernel, grid, args, kwargs, warmup: bool, what: str = "") -> None:
     """Launch ``kernel``, or with ``warmup`` compile it and load its module without launching."""
     if not warmup:
+        if log.isEnabledFor(logging.DEBUG):
+            stream = torch.cuda.current_stream().stream_id if torch.cuda.is_available() else 0
+            log.debug("%.6f launch %s stream %d", time.perf_counter(), what, stream)
         kernel[grid](*args, **kwargs)
         return
     compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
@@ -396,12 +407,28 @@ class FusedForward(_PersistentLaunch):
         training forwards and the backward are all loaded before this rank's first launch.
         """
         variants = [True, False] if layer.shared_experts is not None else [False]
+        self._warm_host_path(x.device)
         with _compile_together():
             for shared in variants:
                 self._launch(x, out, x.shape[0], layer, shared, warmup=True)
             if self.backward_at_prepare:
                 self.backward.warm_up(x, layer)
         self._warm = True
+
+    def _warm_host_path(self, device: torch.device) -> None:
+        """Run once what a call does on the host around its launch that is slow the first time.
+
+        In an emulated world the first rank's kernel spins until its peers launch, and the host
+        launches them one after another: a first-time cost on that path stalls the whole world
+        (H200: 4 s between rank 0's forward and its backward, rank 0 timed out). Two such costs
+        were seen: loading the module of a torch kernel (CUDA loads modules lazily, and a load
+        waits for the running kernels) and autograd importing sympy at the first backward.
+        """
+        from .balance import tokens_per_expert
+
+        tokens_per_expert(torch.zeros(1, self.config.top_k, dtype=torch.int32, device=device), self.config.num_experts)
+        if self.backward_at_prepare:
+            importlib.import_module("torch.fx.experimental.symbolic_shapes")  # autograd's _make_grads imports it lazily
 
     def _launch(self, x, out, n, layer, shared: bool, warmup: bool) -> None:
         from kosmos_moe.kernels.expert_forward import expert_forward_kernel
@@ -435,7 +462,8 @@ class FusedForward(_PersistentLaunch):
             STAGES=t.stages, TMA=tma, PROFILE=self.profile is not None,
             num_warps=t.warps,
         )
-        _run(expert_forward_kernel, (self.workers,), args, kwargs, warmup)
+        _run(expert_forward_kernel, (self.workers,), args, kwargs, warmup,
+             f"forward rank {self.fabric.rank} tokens {n} shared {shared_mlp is not None}")
 
     def raise_if_failed(self, block: bool = True) -> None:
         """Raise :class:`ExpertLayerTimeout` if an earlier forward or backward call timed out."""
@@ -526,7 +554,8 @@ class FusedBackward(_PersistentLaunch):
             PROFILE=self.profile is not None,
             num_warps=t.warps,
         )
-        _run(expert_backward_kernel, (self.workers,), args, kwargs, warmup)
+        _run(expert_backward_kernel, (self.workers,), args, kwargs, warmup,
+             f"backward rank {self.fabric.rank} tokens {n}")
 
 
 class FusedExpertsFunction(torch.autograd.Function):
