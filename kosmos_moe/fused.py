@@ -377,8 +377,6 @@ class FusedForward(_PersistentLaunch):
         autograd). With ``keep_routing`` it also returns copies of the int32 choices and fp32
         weights ``[T, K]`` that the backward needs.
         """
-        from kosmos_moe.kernels.expert_forward import expert_forward_kernel
-
         self.raise_if_failed(block=False)
         self._check_tokens(tokens)
         n, hidden = tokens.shape
@@ -407,7 +405,7 @@ class FusedForward(_PersistentLaunch):
         training forwards and the backward are all loaded before this rank's first launch.
         """
         variants = [True, False] if layer.shared_experts is not None else [False]
-        self._warm_host_path(x.device)
+        self._warm_host_path(x.device, x.dtype)
         with _compile_together():
             for shared in variants:
                 self._launch(x, out, x.shape[0], layer, shared, warmup=True)
@@ -415,7 +413,7 @@ class FusedForward(_PersistentLaunch):
                 self.backward.warm_up(x, layer)
         self._warm = True
 
-    def _warm_host_path(self, device: torch.device) -> None:
+    def _warm_host_path(self, device: torch.device, dtype: torch.dtype) -> None:
         """Run once what a call does on the host around its launch that is slow the first time.
 
         In an emulated world the first rank's kernel spins until its peers launch, and the host
@@ -426,8 +424,11 @@ class FusedForward(_PersistentLaunch):
         """
         from .balance import tokens_per_expert
 
-        tokens_per_expert(torch.zeros(1, self.config.top_k, dtype=torch.int32, device=device), self.config.num_experts)
+        choices = torch.zeros(1, self.config.top_k, dtype=torch.int32, device=device)
+        tokens_per_expert(choices, self.config.num_experts)
+        choices.long(), choices.clone(), choices.float().clone()  # the forward's returned choices and weights
         if self.backward_at_prepare:
+            choices.float().to(dtype)  # the router gradient, accumulated in fp32, cast to the weight's dtype
             importlib.import_module("torch.fx.experimental.symbolic_shapes")  # autograd's _make_grads imports it lazily
 
     def _launch(self, x, out, n, layer, shared: bool, warmup: bool) -> None:
@@ -497,13 +498,11 @@ class FusedBackward(_PersistentLaunch):
         router_weight: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``(grad_x, grad_router_weight (fp32), grad_gate_up_proj, grad_down_proj)``."""
-        from kosmos_moe.kernels.expert_backward import expert_backward_kernel
-
         self.raise_if_failed(block=False)
         self._check_tokens(tokens)
         n, hidden = tokens.shape
         self.prepare(tokens.dtype)
-        c, t = self.config, self.tiles
+        c = self.config
         tokens = tokens.contiguous()
         grad_out = grad_out.to(tokens.dtype).contiguous()
         dx = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=tokens.device)

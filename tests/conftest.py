@@ -1,3 +1,5 @@
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -13,3 +15,14 @@ def pytest_runtest_logreport(report):
     """
     if report.failed:
         print(f"\n---- {report.nodeid} ({report.when}) failed:\n{report.longreprtext}\n", file=sys.stderr, flush=True)
+
+
+def pytest_configure(config):
+    """``KOSMOS_TRACE_LAUNCHES=1``: log every fused launch with its host time, rank and stream.
+
+    In an emulated world a rank whose launch comes long after its peers' shows where the host
+    stalled while their kernels waited for it (see benchmarks/world_liveness.py).
+    """
+    if os.environ.get("KOSMOS_TRACE_LAUNCHES", "0") not in ("", "0"):
+        logging.basicConfig(stream=sys.stderr, format="%(name)s %(message)s")
+        logging.getLogger("kosmos_moe.fused").setLevel(logging.DEBUG)

@@ -46,8 +46,10 @@ SHAPES = {
 }
 COUNTS = [517, 1, 300, 0, 129, 700, 64, 255]
 DEEPSEEK_COUNTS = [1000, 1017, 0, 993, 1024, 1, 998, 1011]
-# About a few seconds of polling: a stalled world fails fast instead of after a minute.
-TEST_WAIT_BOUND = 1 << 22
+# Polls before a kernel gives up. 1 << 22 polls of the count exchange took under 1.6 s on the
+# H200 (a forward timed out while its peer's launch came 1.57 s after its own): too tight for a
+# first call, whose host path may take a second. 1 << 24 is a few seconds.
+TEST_WAIT_BOUND = 1 << 24
 
 EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 REPLICATED = ("gate.weight", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
@@ -117,7 +119,29 @@ class SyncIsError:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def run_world(emulated, layers, batches, pattern="fused"):
+def rehearse(full, emulated, batches):
+    """Every rank's batch through the reference layer, forward and backward, on that rank's stream.
+
+    A rank's first call runs CUDA kernels around its launch (the shared expert's cuBLAS GEMMs at
+    that rank's token count, the autograd thread's cuBLAS handle, casts) whose modules CUDA
+    loads lazily, and a module load waits for the kernels running on the device: the peers'
+    persistent kernels, which wait for this rank. On the H200 that stalled the host for
+    1.6-6 s between two ranks' launches of the first call, until a kernel timed out. The same
+    kernels, run here first with no persistent kernel in flight, are loaded once and for all.
+    The reference layer's gradients are taken with autograd.grad, so no .grad is touched.
+    """
+    params = [p for p in full.parameters() if p.requires_grad]
+
+    def one(r, x, g):
+        x = x.detach().requires_grad_(True)
+        torch.autograd.grad(full(x), [x, *params], g, allow_unused=True)
+
+    for xs, gs in batches:
+        emulated.run(one, xs, gs)
+    torch.cuda.synchronize()
+
+
+def run_world(full, emulated, layers, batches, pattern="fused"):
     """Forward and backward of every batch on every rank; returns (outputs, x grads) per batch.
 
     ``fused``: each rank's forward then its backward on its stream, batch after batch (the
@@ -125,6 +149,7 @@ def run_world(emulated, layers, batches, pattern="fused"):
     on the device). ``split``: all ranks' forwards of all batches, then all backwards, in
     reverse batch order (two forwards before their backwards: checkpointing, accumulation).
     """
+    rehearse(full, emulated, batches)
     leaves = [[x.clone().requires_grad_(True) for x in xs] for xs, _ in batches]
 
     def fwd_bwd(r, x, g):
@@ -226,12 +251,12 @@ def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_t
             batches = [batch(case, counts if call % 2 == 0 else counts[::-1], call, skew)]
             for layer in layers:
                 layer.zero_grad(set_to_none=True)
-            outs, x_grads = run_world(emulated, layers, batches)
+            outs, x_grads = run_world(full, emulated, layers, batches)
             check_against_reference(full, truth, layers, batches, outs, x_grads, f"{what} call {call}")
     else:
         # Both batches' forwards before their backwards; the gradients accumulate over both.
         batches = [batch(case, counts, 0, skew), batch(case, counts[::-1], 1, skew)]
-        outs, x_grads = run_world(emulated, layers, batches, pattern)
+        outs, x_grads = run_world(full, emulated, layers, batches, pattern)
         check_against_reference(full, truth, layers, batches, outs, x_grads, what)
     return layers
 
@@ -265,7 +290,7 @@ def test_gradient_accumulation():
     batches = [batch(case, COUNTS[:world], 0), batch(case, COUNTS[:world][::-1], 1)]
     outs, x_grads = [], []
     for b in batches:
-        o, xg = run_world(emulated, layers, [b])
+        o, xg = run_world(full, emulated, layers, [b])
         outs += o
         x_grads += xg
     check_against_reference(full, truth, layers, batches, outs, x_grads, f"{case} world {world} accumulation")
@@ -277,7 +302,7 @@ def test_no_grad_forward_equals_grad_forward(world):
     case = "sigmoid_group_shared"
     full, truth, emulated, layers = make_world(case, world)
     batches = [batch(case, COUNTS[:world], 0)]
-    outs, _ = run_world(emulated, layers, batches)
+    outs, _ = run_world(full, emulated, layers, batches)
     with torch.no_grad(), SyncIsError():
         plain = emulated.run(lambda r, x: layers[r](x), batches[0][0])
     for layer in layers:
@@ -303,7 +328,7 @@ def test_backward_is_deterministic(world):
     for _ in range(2):
         for layer in layers:
             layer.zero_grad(set_to_none=True)
-        outs, x_grads = run_world(emulated, layers, batches)
+        outs, x_grads = run_world(full, emulated, layers, batches)
         grads = [{name: p.grad.clone() for name, p in layer.named_parameters()} for layer in layers]
         results.append((outs[0], x_grads[0], grads))
     (outs_a, xg_a, grads_a), (outs_b, xg_b, grads_b) = results
