@@ -78,6 +78,18 @@ class EmulatedWorld:
     ``world.rank(r)`` is the fabric of rank r. Launches never wait on the host, so calling each
     rank's layer in turn, each under :meth:`run`'s per-rank stream, keeps all R kernels in
     flight together.
+
+    The host must also not wait between two ranks' launches, and the first use of a CUDA
+    kernel in a process can: CUDA loads modules (torch's kernels, cuBLAS's) lazily, and a load
+    waits for the kernels running on the device, here the earlier ranks' persistent kernels,
+    which wait for this rank. On an H200 the first forward+backward call of a world stalled
+    1.6-6 s that way (a shared expert's GEMMs at a new token count, the autograd thread's
+    first cuBLAS call) until a kernel's wait bound fired. The fused launcher warms its own host
+    path before a rank's first launch; for the rest of a training step, run each rank's batch
+    once through the same model without the fused backend (e.g. ``backend="reference"``),
+    each under its rank's stream, before the first fused call (tests/test_fused_backward_gpu.py
+    does). Worlds of several ranks in fused forward+backward also timed out on the H200 with
+    no host stall (world 8; under study: benchmarks/world_liveness.py).
     """
 
     def __init__(self, world_size: int, device: torch.device | str = "cuda") -> None:
