@@ -60,7 +60,7 @@ def child(args: argparse.Namespace, variant: dict) -> dict:
 
     from kosmos_moe import ExpertLayer
     from kosmos_moe.fabric import EmulatedWorld
-    from kosmos_moe.fused import ExpertLayerTimeout
+    from kosmos_moe.fused import ExpertLayerTimeout, _PersistentLaunch
 
     launches: list[float] = []
 
@@ -116,11 +116,15 @@ def child(args: argparse.Namespace, variant: dict) -> dict:
                 emulated.run(lambda r, x, g: torch.autograd.backward(layers[r](x), g), leaves, gs)
         gaps = [b - a for a, b in zip(launches, launches[1:])]
         outcome["max_launch_gap_s"] = max(outcome["max_launch_gap_s"], max(gaps, default=0.0))
-        try:
-            for layer in layers:
-                layer.fused().raise_if_failed()
-        except ExpertLayerTimeout as e:
-            outcome.update(finished=False, record=f"call {call}: {e}".split(". A peer")[0])
+        records = []  # every rank's first timeout: who waited for what tells the cycle apart
+        for layer in layers:
+            for launcher in (layer.fused(), layer.fused().backward):
+                try:
+                    _PersistentLaunch.raise_if_failed(launcher)  # this direction's record only
+                except ExpertLayerTimeout as e:
+                    records.append(str(e).split(". A peer")[0].replace("timed out after ", "after "))
+        if records:
+            outcome.update(finished=False, record=f"call {call}: " + " | ".join(records))
             break
     return outcome
 
