@@ -64,6 +64,9 @@ class Fabric:
     def workspace(self, nbytes: int) -> Workspace:
         raise NotImplementedError
 
+    def barrier(self) -> None:
+        """Wait for every rank of the world to get here; only ranks in separate processes wait."""
+
     def max_workers(self) -> int:
         """Workers per rank that are guaranteed resident together with every co-located rank."""
         if self.device.type != "cuda":
@@ -189,6 +192,9 @@ class SharedFileFabric(Fabric):
         self.prefix = os.path.join(directory, f"kosmos-moe-{name[0]}")
         self._requests = 0
 
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
     def workspace(self, nbytes: int) -> Workspace:
         n = self._requests
         self._requests += 1
@@ -210,6 +216,9 @@ class SymmetricMemoryFabric(Fabric):
     """One GPU per process; workspaces from torch symmetric memory over the EP group."""
 
     signal_scope = "sys"
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD

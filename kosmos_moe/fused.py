@@ -19,9 +19,12 @@ from .workspace import (
     WorkspaceLayout, backward_layout, forward_layout,
 )
 
-# Polls before a wait gives up. A GPU poll takes about a microsecond, an interpreter poll
-# (one pass of the worker loop in numpy) about a millisecond: both are tens of seconds.
-GPU_WAIT_BOUND = 1 << 25
+# Polls before a wait gives up. On the H200 1 << 22 polls of the count exchange took under
+# 1.6 s (a rank timed out while its peer launched 1.57 s after it), so 1 << 27 is under a
+# minute: long enough for ranks whose first calls compile at different speeds (16-27 s per
+# shape), short enough that a peer that never comes is reported, not waited for. An
+# interpreter poll (one pass of the worker loop in numpy) takes about a millisecond.
+GPU_WAIT_BOUND = 1 << 27
 INTERPRETER_WAIT_BOUND = 50_000
 
 # ``logging.getLogger("kosmos_moe.fused").setLevel(logging.DEBUG)`` logs every launch with its
@@ -387,6 +390,8 @@ class FusedForward(_PersistentLaunch):
             _HostRecords.reserve()
             if not self._warm:
                 self._warm_up(tokens if n > 0 else out, out, layer)
+                # Ranks compile at their own pace; their first launches start together.
+                self.fabric.barrier()
         self._launch(tokens if n > 0 else out, out, n, layer, shared, warmup=False)
         lay, c = self.layout, self.config
         top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * c.top_k].view(n, c.top_k)
