@@ -388,8 +388,11 @@ class FusedForward(_PersistentLaunch):
         out = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=tokens.device)
         if self.fabric.device.type == "cuda":
             _HostRecords.reserve()
-            if not self._warm:
-                self._warm_up(tokens if n > 0 else out, out, layer)
+            # A training forward also readies its backward: a layer that first ran without
+            # grad would otherwise compile and allocate at its first backward, with peers waiting.
+            with_backward = self.backward_at_prepare or keep_routing
+            if not self._warm or (with_backward and not self.backward.warm):
+                self._warm_up(tokens if n > 0 else out, out, layer, with_backward)
                 # Ranks compile at their own pace; their first launches start together.
                 self.fabric.barrier()
         self._launch(tokens if n > 0 else out, out, n, layer, shared, warmup=False)
@@ -402,7 +405,7 @@ class FusedForward(_PersistentLaunch):
         top_w = self.workspace.local[w0: w0 + 4 * n * c.top_k].view(torch.float32).view(n, c.top_k)
         return out[:n], top_e.long(), top_e.clone(), top_w.clone()
 
-    def _warm_up(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module) -> None:
+    def _warm_up(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module, with_backward: bool) -> None:
         """Compile and load every kernel variant this layer may launch, before launching any.
 
         Loading a module while a peer's persistent kernel spins may wait for that kernel (CUDA
@@ -410,15 +413,16 @@ class FusedForward(_PersistentLaunch):
         training forwards and the backward are all loaded before this rank's first launch.
         """
         variants = [True, False] if layer.shared_experts is not None else [False]
-        self._warm_host_path(x.device, x.dtype)
+        self._warm_host_path(x.device, x.dtype, with_backward)
         with _compile_together():
-            for shared in variants:
-                self._launch(x, out, x.shape[0], layer, shared, warmup=True)
-            if self.backward_at_prepare:
+            if not self._warm:
+                for shared in variants:
+                    self._launch(x, out, x.shape[0], layer, shared, warmup=True)
+            if with_backward and not self.backward.warm:
                 self.backward.warm_up(x, layer)
         self._warm = True
 
-    def _warm_host_path(self, device: torch.device, dtype: torch.dtype) -> None:
+    def _warm_host_path(self, device: torch.device, dtype: torch.dtype, with_backward: bool) -> None:
         """Run once what a call does on the host around its launch that is slow the first time.
 
         In an emulated world the first rank's kernel spins until its peers launch, and the host
@@ -432,7 +436,7 @@ class FusedForward(_PersistentLaunch):
         choices = torch.zeros(1, self.config.top_k, dtype=torch.int32, device=device)
         tokens_per_expert(choices, self.config.num_experts)
         choices.long(), choices.clone(), choices.float().clone()  # the forward's returned choices and weights
-        if self.backward_at_prepare:
+        if with_backward:
             choices.float().to(dtype)  # the router gradient, accumulated in fp32, cast to the weight's dtype
             importlib.import_module("torch.fx.experimental.symbolic_shapes")  # autograd's _make_grads imports it lazily
 
@@ -494,6 +498,7 @@ class FusedBackward(_PersistentLaunch):
         from kosmos_moe.kernels.expert_backward import PROFILE_SLOTS
 
         self.profile_slots = PROFILE_SLOTS
+        self.warm = False  # compiled and loaded for this layer (warm_up)
 
     def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:
         return backward_layout(self.config, self.fabric.world_size, self.max_tokens, self.tiles, dtype)
@@ -530,6 +535,7 @@ class FusedBackward(_PersistentLaunch):
         if self.fabric.device.type != "cuda":
             return
         self.prepare(x.dtype)
+        self.warm = True
         c = self.config
         top_e = torch.zeros(1, c.top_k, dtype=torch.int32, device=x.device)
         top_w = torch.zeros(1, c.top_k, dtype=torch.float32, device=x.device)
