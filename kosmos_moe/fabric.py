@@ -90,8 +90,7 @@ class EmulatedWorld:
     first cuBLAS call) until a kernel's wait bound fired. The fused launcher warms its own host
     path before a rank's first launch; for the rest of a training step, run each rank's batch
     once through the same model without the fused backend (e.g. ``backend="reference"``),
-    each under its rank's stream, before the first fused call (tests/test_fused_backward_gpu.py
-    does). Worlds of several ranks in fused forward+backward also timed out on the H200 with
+    each under its rank's stream, before the first fused call (:meth:`rehearse`). Worlds of several ranks in fused forward+backward also timed out on the H200 with
     no host stall (world 8; under study: benchmarks/world_liveness.py).
     """
 
@@ -164,6 +163,26 @@ class EmulatedWorld:
         return results
 
 
+    def rehearse(self, module, inputs, grads) -> None:
+        """Run ``module`` forward and backward on every rank's input, each under its rank's
+        stream, with no persistent kernel in flight; then wait for the device.
+
+        Every CUDA kernel (and library handle) a rank's step needs around its fused launches
+        is then loaded, so none is loaded lazily while the peers' kernels spin (see the class
+        docs). Gradients are taken with ``autograd.grad``: no ``.grad`` is touched. ``module``
+        must not use the fused backend (its kernels would wait for peers).
+        """
+        params = [p for p in module.parameters() if p.requires_grad]
+
+        def step(r, x, g):
+            x = x.detach().requires_grad_(True)
+            torch.autograd.grad(module(x), [x, *params], g, allow_unused=True)
+
+        self.run(step, inputs, grads)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
 class EmulatedFabric(Fabric):
     """Rank ``rank`` of an :class:`EmulatedWorld`."""
 
@@ -217,14 +236,14 @@ class SymmetricMemoryFabric(Fabric):
 
     signal_scope = "sys"
 
-    def barrier(self) -> None:
-        dist.barrier(group=self.group)
-
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self.device = torch.device("cuda", torch.cuda.current_device())
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
 
     def workspace(self, nbytes: int) -> Workspace:
         import torch.distributed._symmetric_memory as symm_mem

@@ -119,28 +119,6 @@ class SyncIsError:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def rehearse(full, emulated, batches):
-    """Every rank's batch through the reference layer, forward and backward, on that rank's stream.
-
-    A rank's first call runs CUDA kernels around its launch (the shared expert's cuBLAS GEMMs at
-    that rank's token count, the autograd thread's cuBLAS handle, casts) whose modules CUDA
-    loads lazily, and a module load waits for the kernels running on the device: the peers'
-    persistent kernels, which wait for this rank. On the H200 that stalled the host for
-    1.6-6 s between two ranks' launches of the first call, until a kernel timed out. The same
-    kernels, run here first with no persistent kernel in flight, are loaded once and for all.
-    The reference layer's gradients are taken with autograd.grad, so no .grad is touched.
-    """
-    params = [p for p in full.parameters() if p.requires_grad]
-
-    def one(r, x, g):
-        x = x.detach().requires_grad_(True)
-        torch.autograd.grad(full(x), [x, *params], g, allow_unused=True)
-
-    for xs, gs in batches:
-        emulated.run(one, xs, gs)
-    torch.cuda.synchronize()
-
-
 def run_world(full, emulated, layers, batches, pattern="fused"):
     """Forward and backward of every batch on every rank; returns (outputs, x grads) per batch.
 
@@ -149,7 +127,11 @@ def run_world(full, emulated, layers, batches, pattern="fused"):
     on the device). ``split``: all ranks' forwards of all batches, then all backwards, in
     reverse batch order (two forwards before their backwards: checkpointing, accumulation).
     """
-    rehearse(full, emulated, batches)
+    # A rank's first call loads CUDA modules (its shared expert's cuBLAS GEMMs at its token
+    # count, casts) lazily, and a load waits for the peers' spinning kernels: on the H200 that
+    # stalled the host 1.6-6 s between two ranks' launches until a kernel timed out.
+    for xs, gs in batches:
+        emulated.rehearse(full, xs, gs)
     leaves = [[x.clone().requires_grad_(True) for x in xs] for xs, _ in batches]
 
     def fwd_bwd(r, x, g):

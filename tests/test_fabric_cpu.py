@@ -1,0 +1,20 @@
+"""EmulatedWorld.rehearse on the CPU: it runs the step and touches no gradient or weight."""
+
+import torch
+
+from kosmos_moe import ExpertLayer
+from kosmos_moe.fabric import EmulatedWorld
+
+
+def test_rehearse_runs_the_step_and_leaves_grads_alone():
+    torch.manual_seed(0)
+    layer = ExpertLayer(16, 8, 4, 2, num_shared_experts=1)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    calls = []
+    forward = layer.forward
+    layer.forward = lambda x: calls.append(x.shape) or forward(x)
+    x, g = torch.randn(5, 16), torch.randn(5, 16)
+    EmulatedWorld(1, "cpu").rehearse(layer, [x], [g])
+    assert calls == [torch.Size([5, 16])]
+    assert all(p.grad is None for p in layer.parameters())
+    assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
