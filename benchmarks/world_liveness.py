@@ -24,6 +24,10 @@ Variants (``--variants``, default all):
   half_workers   fused, half the workers per rank (SM residency to spare)
   rehearse       fused, after every rank's batch went through the reference layer once
   eager_rehearse eager + rehearse
+  eager_split    eager + split
+  eager_connections32  eager + connections32
+  rehearse_rank_leaves rehearse + rank_leaves
+  half_workers_rehearse half_workers + rehearse
 """
 
 from __future__ import annotations
@@ -45,11 +49,16 @@ VARIANTS = {
     "half_workers": {"half_workers": True},
     "rehearse": {"rehearse": True},
     "eager_rehearse": {"env": {"CUDA_MODULE_LOADING": "EAGER"}, "rehearse": True},
+    "eager_split": {"env": {"CUDA_MODULE_LOADING": "EAGER"}, "pattern": "split"},
+    "eager_connections32": {"env": {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}},
+    "rehearse_rank_leaves": {"rehearse": True, "rank_leaves": True},
+    "half_workers_rehearse": {"rehearse": True, "half_workers": True},
 }
 CASES = {
     "softmax": dict(hidden_size=1544, moe_intermediate_size=392, num_experts=48, top_k=8),
     "shared": dict(hidden_size=1544, moe_intermediate_size=392, num_experts=48, top_k=8, router="sigmoid_group",
                    n_group=8, topk_group=4, routed_scaling_factor=2.5, num_shared_experts=1),
+    "softmax_shared": dict(hidden_size=1032, moe_intermediate_size=200, num_experts=48, top_k=6, num_shared_experts=2),
 }
 COUNTS = [517, 1, 300, 0, 129, 700, 64, 255]
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -90,9 +91,19 @@ class EmulatedWorld:
     first cuBLAS call) until a kernel's wait bound fired. The fused launcher warms its own host
     path before a rank's first launch; for the rest of a training step, run each rank's batch
     once through the same model without the fused backend (e.g. ``backend="reference"``),
-    each under its rank's stream, before the first fused call (:meth:`rehearse`). Worlds of several ranks in fused forward+backward also timed out on the H200 with
-    no host stall (world 8; under study: benchmarks/world_liveness.py).
+    each under its rank's stream, before the first fused call (:meth:`rehearse`).
+
+    Each rank's stream also needs a hardware queue of its own: set
+    ``CUDA_DEVICE_MAX_CONNECTIONS=32`` before CUDA starts (the default is 8). Streams that
+    share a queue are launched in queue order, so rank r's backward, which waits in the queue
+    for rank r's forward to finish, holds back the forward of a rank queued behind it, which
+    rank r's forward waits for. On an H200 a world of 8 whose ranks each ran forward then
+    backward hung with 8 connections and finished with 32 (benchmarks/world_liveness.py);
+    running every rank's forward before any rank's backward also finished with 8.
     """
+
+    #: Hardware queues that give every rank stream of the largest world its own.
+    CONNECTIONS = 32
 
     def __init__(self, world_size: int, device: torch.device | str = "cuda") -> None:
         self.world_size = world_size
@@ -104,6 +115,16 @@ class EmulatedWorld:
                 "an emulated world of several ranks needs a GPU; on the CPU use one process per rank "
                 "(SharedFileFabric), since Triton's interpreter runs programs one after another"
             )
+        if self.device.type == "cuda" and world_size > 1:
+            connections = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
+            if connections < self.CONNECTIONS:
+                warnings.warn(
+                    f"an emulated world of {world_size} ranks with CUDA_DEVICE_MAX_CONNECTIONS={connections}: "
+                    "rank streams may share hardware queues, and a rank's forward+backward can then wait "
+                    f"forever for a peer queued behind it; set CUDA_DEVICE_MAX_CONNECTIONS={self.CONNECTIONS} "
+                    "before CUDA starts",
+                    stacklevel=2,
+                )
         self._allocations: list[tuple] = []
         self._requests = [0] * world_size
         self.streams = (

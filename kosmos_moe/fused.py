@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .config import MoEConfig
-from .fabric import Fabric
+from .fabric import EmulatedFabric, Fabric
 from .workspace import (
     GPU_BACKWARD_TILES, GPU_TILES, INTERPRETER_BACKWARD_TILES, INTERPRETER_TILES, BackwardTiles, Tiles,
     WorkspaceLayout, backward_layout, forward_layout,
@@ -46,6 +46,11 @@ _WHAT = {
     10: "the SwiGLU-backward tiles of a local expert (weight-gradient tasks)",
 }
 _ERR_SHORT = 11
+# The two ways an emulated world was measured to stall with every rank launched (EmulatedWorld).
+_EMULATED_HINT = (
+    " In an emulated world, check that CUDA_DEVICE_MAX_CONNECTIONS=32 was set before CUDA started, and that "
+    "each rank's batch was rehearsed once (EmulatedWorld.rehearse) before its first fused call."
+)
 
 
 def tma_usable(tiles: Tiles, config: MoEConfig, dtype: torch.dtype, device: torch.device) -> bool:
@@ -325,6 +330,7 @@ class _PersistentLaunch:
             f"kosmos {self.direction} on rank {rank} of {self.fabric.world_size} timed out after {self.wait_bound} polls "
             f"waiting for {what}. A peer may not have launched its {self.direction}, or launched a different one. "
             "The workspaces of this world are now inconsistent: rebuild the layers."
+            + (_EMULATED_HINT if isinstance(self.fabric, EmulatedFabric) and self.fabric.world_size > 1 else "")
         )
         raise self.failed
 

@@ -6,6 +6,10 @@ from pathlib import Path
 # The oracle and the multi-process helpers live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 
+# Emulated worlds need a hardware queue per rank stream (see EmulatedWorld); CUDA reads this
+# once, when it starts, which is after this file is imported.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 
 def pytest_runtest_logreport(report):
     """Print a failure's report as soon as the test fails, not in the summary at the end.
