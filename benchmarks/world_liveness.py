@@ -84,6 +84,8 @@ def child(args: argparse.Namespace, variant: dict) -> dict:
     torch.manual_seed(0)
     shape, world = CASES[args.case], args.world
     full = ExpertLayer(**shape, dtype=torch.bfloat16, device="cuda")
+    if args.reserve is not None:
+        EmulatedWorld.RESERVED_SMS = args.reserve
     emulated = EmulatedWorld(world, "cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     workers = max(1, sms // world // 2) if variant.get("half_workers") else None
@@ -96,7 +98,7 @@ def child(args: argparse.Namespace, variant: dict) -> dict:
         layers.append(layer)
     for layer in layers:
         layer.fused().prepare(torch.bfloat16)
-    outcome = {"finished": True, "record": "", "max_launch_gap_s": 0.0}
+    outcome = {"finished": True, "record": "", "max_launch_gap_s": 0.0, "workers": layers[0].fused().workers}
     for call in range(2):
         counts = COUNTS[:world] if call % 2 == 0 else COUNTS[:world][::-1]
         xs = [torch.randn(n, shape["hidden_size"], device="cuda", dtype=torch.bfloat16) for n in counts]
@@ -137,6 +139,7 @@ def main() -> None:
     parser.add_argument("--case", choices=sorted(CASES), default="softmax")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--wait-bound", type=int, default=1 << 24, help="polls before a kernel gives up")
+    parser.add_argument("--reserve", type=int, help="EmulatedWorld.RESERVED_SMS for this run (default: the library's)")
     parser.add_argument("--limit", type=float, default=90.0, help="seconds per variant, compile included")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -148,7 +151,7 @@ def main() -> None:
     for name in args.variants:
         env = {**os.environ, **VARIANTS[name].get("env", {})}
         cmd = [sys.executable, __file__, "--child", name, "--world", str(args.world), "--case", args.case,
-               "--wait-bound", str(args.wait_bound)]
+               "--wait-bound", str(args.wait_bound)] + (["--reserve", str(args.reserve)] if args.reserve is not None else [])
         start = time.time()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.limit)
@@ -159,7 +162,7 @@ def main() -> None:
             result = {"finished": False, "record": f"no result within {args.limit:.0f} s (hang)"}
         result["seconds"] = round(time.time() - start, 1)
         results[name] = result
-        print(f"{name:15s} {'ok  ' if result['finished'] else 'FAIL'} gap {result.get('max_launch_gap_s', float('nan')):7.3f} s"
+        print(f"{name:15s} {'ok  ' if result['finished'] else 'FAIL'} workers {result.get('workers')} gap {result.get('max_launch_gap_s', float('nan')):7.3f} s"
               f"  {result['seconds']:6.1f} s  {result['record']}", flush=True)
     if args.out:
         with open(args.out, "w") as f:

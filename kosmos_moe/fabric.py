@@ -104,6 +104,8 @@ class EmulatedWorld:
 
     #: Hardware queues that give every rank stream of the largest world its own.
     CONNECTIONS = 32
+    #: SMs left to the ranks' other kernels (see EmulatedFabric.max_workers).
+    RESERVED_SMS = 16
 
     def __init__(self, world_size: int, device: torch.device | str = "cuda") -> None:
         self.world_size = world_size
@@ -216,6 +218,19 @@ class EmulatedFabric(Fabric):
 
     def workspace(self, nbytes: int) -> Workspace:
         return self.world._workspace(self.rank, nbytes)
+
+    def max_workers(self) -> int:
+        """The device's SMs less ``EmulatedWorld.RESERVED_SMS``, shared out over the ranks.
+
+        Filling every SM with persistent workers stalled worlds on the H200: at 4 ranks of 33
+        workers (all 132 SMs), with a shared expert's GEMMs between each rank's forward and
+        backward launches, the last rank's backward started too late for its peers' wait bound
+        in every run, and 16 workers per rank finished (benchmarks/world_liveness.py).
+        """
+        if self.device.type != "cuda" or self.world_size == 1:
+            return super().max_workers()
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return max(1, (sms - self.world.RESERVED_SMS) // self.ranks_per_device)
 
 
 class SharedFileFabric(Fabric):
