@@ -104,8 +104,8 @@ class EmulatedWorld:
 
     #: Hardware queues that give every rank stream of the largest world its own.
     CONNECTIONS = 32
-    #: SMs left to the ranks' other kernels (see EmulatedFabric.max_workers).
-    RESERVED_SMS = 16
+    #: SMs left to the ranks' other kernels (see EmulatedFabric.max_workers); a bisection knob.
+    RESERVED_SMS = 0
 
     def __init__(self, world_size: int, device: torch.device | str = "cuda") -> None:
         self.world_size = world_size
@@ -222,10 +222,12 @@ class EmulatedFabric(Fabric):
     def max_workers(self) -> int:
         """The device's SMs less ``EmulatedWorld.RESERVED_SMS``, shared out over the ranks.
 
-        Filling every SM with persistent workers stalled worlds on the H200: at 4 ranks of 33
-        workers (all 132 SMs), with a shared expert's GEMMs between each rank's forward and
-        backward launches, the last rank's backward started too late for its peers' wait bound
-        in every run, and 16 workers per rank finished (benchmarks/world_liveness.py).
+        Measured on the H200 (benchmarks/world_liveness.py, world_liveness --reserve), worlds
+        with a shared expert, whose cuBLAS GEMMs sit on each rank's stream between its forward
+        and backward launches: at 4 ranks, 33 and 31 and 29 workers per rank stalled (the last
+        rank's backward count exchange came after its peers' wait bound), 16 finished; at 8
+        ranks, 16 workers passed the GPU tests and 14 (a 16-SM reserve) stalled. Not monotonic
+        in the free SMs, so no reserve is the default; the cause is open.
         """
         if self.device.type != "cuda" or self.world_size == 1:
             return super().max_workers()
