@@ -84,11 +84,9 @@ def child(args: argparse.Namespace, variant: dict) -> dict:
     torch.manual_seed(0)
     shape, world = CASES[args.case], args.world
     full = ExpertLayer(**shape, dtype=torch.bfloat16, device="cuda")
-    if args.reserve is not None:
-        EmulatedWorld.RESERVED_SMS = args.reserve
     emulated = EmulatedWorld(world, "cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    workers = max(1, sms // world // 2) if variant.get("half_workers") else None
+    workers = max(1, sms // world // 2) if variant.get("half_workers") else args.workers
     layers = []
     for r in range(world):
         layer = ExpertLayer(**shape, backend="kosmos", fabric=emulated.rank(r), max_tokens_per_rank=768,
@@ -139,7 +137,7 @@ def main() -> None:
     parser.add_argument("--case", choices=sorted(CASES), default="softmax")
     parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--wait-bound", type=int, default=1 << 24, help="polls before a kernel gives up")
-    parser.add_argument("--reserve", type=int, help="EmulatedWorld.RESERVED_SMS for this run (default: the library's)")
+    parser.add_argument("--workers", type=int, help="workers per rank (default: the library's; half_workers overrides)")
     parser.add_argument("--limit", type=float, default=90.0, help="seconds per variant, compile included")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -151,7 +149,7 @@ def main() -> None:
     for name in args.variants:
         env = {**os.environ, **VARIANTS[name].get("env", {})}
         cmd = [sys.executable, __file__, "--child", name, "--world", str(args.world), "--case", args.case,
-               "--wait-bound", str(args.wait_bound)] + (["--reserve", str(args.reserve)] if args.reserve is not None else [])
+               "--wait-bound", str(args.wait_bound)] + (["--workers", str(args.workers)] if args.workers is not None else [])
         start = time.time()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.limit)

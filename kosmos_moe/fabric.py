@@ -100,12 +100,16 @@ class EmulatedWorld:
     rank r's forward waits for. On an H200 a world of 8 whose ranks each ran forward then
     backward hung with 8 connections and finished with 32 (benchmarks/world_liveness.py);
     running every rank's forward before any rank's backward also finished with 8.
+
+    Open: worlds with a shared expert, whose cuBLAS GEMMs sit on each rank's stream between
+    its forward and backward launches, still stalled on the H200 with no host gap: at 4 ranks
+    with 33, 31 and 29 workers per rank (the last rank's backward began after its peers' wait
+    bound), not with 16; at 8 ranks with 14 workers per rank, not with 16 (world_liveness
+    ``--workers``).
     """
 
     #: Hardware queues that give every rank stream of the largest world its own.
     CONNECTIONS = 32
-    #: SMs left to the ranks' other kernels (see EmulatedFabric.max_workers); a bisection knob.
-    RESERVED_SMS = 0
 
     def __init__(self, world_size: int, device: torch.device | str = "cuda") -> None:
         self.world_size = world_size
@@ -185,7 +189,6 @@ class EmulatedWorld:
             current.wait_stream(stream)
         return results
 
-
     def rehearse(self, module, inputs, grads) -> None:
         """Run ``module`` forward and backward on every rank's input, each under its rank's
         stream, with no persistent kernel in flight; then wait for the device.
@@ -218,21 +221,6 @@ class EmulatedFabric(Fabric):
 
     def workspace(self, nbytes: int) -> Workspace:
         return self.world._workspace(self.rank, nbytes)
-
-    def max_workers(self) -> int:
-        """The device's SMs less ``EmulatedWorld.RESERVED_SMS``, shared out over the ranks.
-
-        Measured on the H200 (benchmarks/world_liveness.py, world_liveness --reserve), worlds
-        with a shared expert, whose cuBLAS GEMMs sit on each rank's stream between its forward
-        and backward launches: at 4 ranks, 33 and 31 and 29 workers per rank stalled (the last
-        rank's backward count exchange came after its peers' wait bound), 16 finished; at 8
-        ranks, 16 workers passed the GPU tests and 14 (a 16-SM reserve) stalled. Not monotonic
-        in the free SMs, so no reserve is the default; the cause is open.
-        """
-        if self.device.type != "cuda" or self.world_size == 1:
-            return super().max_workers()
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(1, (sms - self.world.RESERVED_SMS) // self.ranks_per_device)
 
 
 class SharedFileFabric(Fabric):

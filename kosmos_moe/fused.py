@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .config import MoEConfig
-from .fabric import EmulatedFabric, Fabric
+from .fabric import EmulatedFabric, EmulatedWorld, Fabric
 from .workspace import (
     GPU_BACKWARD_TILES, GPU_TILES, INTERPRETER_BACKWARD_TILES, INTERPRETER_TILES, BackwardTiles, Tiles,
     WorkspaceLayout, backward_layout, forward_layout,
@@ -48,8 +48,8 @@ _WHAT = {
 _ERR_SHORT = 11
 # The two ways an emulated world was measured to stall with every rank launched (EmulatedWorld).
 _EMULATED_HINT = (
-    " In an emulated world, check that CUDA_DEVICE_MAX_CONNECTIONS=32 was set before CUDA started, and that "
-    "each rank's batch was rehearsed once (EmulatedWorld.rehearse) before its first fused call."
+    f" In an emulated world, check that CUDA_DEVICE_MAX_CONNECTIONS={EmulatedWorld.CONNECTIONS} was set before CUDA "
+    "started, and that each rank's batch was rehearsed once (EmulatedWorld.rehearse) before its first fused call."
 )
 
 

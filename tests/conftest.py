@@ -6,9 +6,11 @@ from pathlib import Path
 # The oracle and the multi-process helpers live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
 
+from kosmos_moe.fabric import EmulatedWorld  # noqa: E402  (importing torch does not start CUDA)
+
 # Emulated worlds need a hardware queue per rank stream (see EmulatedWorld); CUDA reads this
 # once, when it starts, which is after this file is imported.
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(EmulatedWorld.CONNECTIONS))
 
 
 def pytest_runtest_logreport(report):
