@@ -577,14 +577,25 @@ class FusedBackward(_PersistentLaunch):
 class FusedExpertsFunction(torch.autograd.Function):
     """Autograd over the fused kernels: routed experts and router, one launch per direction.
 
+    The forward launch runs before ``apply`` (``launched`` is its result), and the shared
+    experts' output, computed between the two, is added here. That order matters in an
+    emulated world: autograd runs the ready node created last first, so this node's backward
+    (the fused launch) is queued on the rank's stream before the shared experts' backward
+    GEMMs, whose gradient it hands on. Queued the other way, a rank's cuBLAS kernels sat in
+    front of its persistent launch while its peers' launches spun on the same GPU, and a world
+    of 4 with a shared expert stalled on the H200.
+
     Saved between the two: the input (which autograd keeps for the caller anyway), the
     forward's int32 choices and fp32 routing weights (``8 K`` bytes per token) and the weights
     themselves (no copies). Everything else is recomputed inside the backward launch.
     """
 
     @staticmethod
-    def forward(ctx, tokens, router_weight, gate_up_proj, down_proj, launcher: FusedForward, layer: nn.Module):
-        out, top_e, top_e32, top_w = launcher(tokens, layer, shared=False, keep_routing=True)
+    def forward(ctx, tokens, router_weight, gate_up_proj, down_proj, shared_out, launched: tuple,
+                launcher: FusedForward):
+        out, top_e, top_e32, top_w = launched
+        if shared_out is not None:
+            out.add_(shared_out)
         ctx.launcher = launcher
         ctx.save_for_backward(tokens, router_weight, gate_up_proj, down_proj, top_e32, top_w)
         ctx.mark_non_differentiable(top_e)
@@ -596,4 +607,5 @@ class FusedExpertsFunction(torch.autograd.Function):
         dx, d_router, d_gate_up, d_down = ctx.launcher.backward(
             tokens, grad_out, top_e, top_w, router_weight, gate_up_proj, down_proj
         )
-        return dx, d_router.to(router_weight.dtype), d_gate_up, d_down, None, None
+        d_shared = grad_out if ctx.needs_input_grad[4] else None
+        return dx, d_router.to(router_weight.dtype), d_gate_up, d_down, d_shared, None, None

@@ -234,29 +234,37 @@ class ExpertLayer(nn.Module):
     def _kosmos_forward(self, tokens: torch.Tensor) -> torch.Tensor:
         launcher = self.fused()
         routed = (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj)
+        train_shared = self.shared_experts is not None and torch.is_grad_enabled() and any(
+            p.requires_grad for p in self.shared_experts.parameters()
+        )
         if torch.is_grad_enabled() and (tokens.requires_grad or any(p.requires_grad for p in routed)):
             from .fused import FusedExpertsFunction
 
-            out, top_e = FusedExpertsFunction.apply(tokens, *routed, launcher, self)
-            if self.shared_experts is not None:
-                out = out + self.shared_experts(tokens)
-        elif self.shared_experts is not None and torch.is_grad_enabled() and any(
-            p.requires_grad for p in self.shared_experts.parameters()
-        ):
+            # Launch, then everything else of the forward, then the autograd node: see
+            # FusedExpertsFunction for why its backward must be the rank's first.
+            launched = launcher(tokens, self, shared=False, keep_routing=True)
+            shared_out = self.shared_experts(tokens) if self.shared_experts is not None else None
+            self._recompute_aux_loss(tokens)
+            out, top_e = FusedExpertsFunction.apply(tokens, *routed, shared_out, launched, launcher)
+        elif train_shared:
             out, top_e = launcher(tokens, self, shared=False)  # only the shared experts train
             out = out + self.shared_experts(tokens)
+            self._recompute_aux_loss(tokens)
         else:
             out, top_e = launcher(tokens, self)  # inference: the shared expert inside, nothing saved
+            self._recompute_aux_loss(tokens)
         with torch.no_grad():
             counts = tokens_per_expert(top_e, self.config.num_experts)
             self.tokens_per_expert.copy_(counts)
             self.load_since_bias_update.add_(counts)
+        return out
+
+    def _recompute_aux_loss(self, tokens: torch.Tensor) -> None:
         # The kernel keeps the router scores on chip; the auxiliary loss recomputes them.
         self.aux_loss = None
         if self.compute_aux_loss:
             routing = self.gate(tokens)
             self.aux_loss = switch_aux_loss(routing.scores, routing.experts, self.config.num_experts)
-        return out
 
     # ----------------------------------------------------------------------------------------
     # Load balancing and checkpoints.

@@ -260,3 +260,40 @@ def test_accumulation_and_interleaved_backwards(world, patterns):
     """sigmoid_group routing with a shared expert and a correction bias; at world 2 rank 1 has no
     tokens in the first batch and rank 0 none in the second."""
     run_world(world, check_patterns, "sigmoid_group_shared", patterns, env=INTERPRET)
+
+
+def check_backward_order(rank, world, case):
+    """The fused backward is queued before every other backward kernel of the layer."""
+    spec = CASES[case]
+    hidden = spec["shape"]["hidden_size"]
+    counts = spec["counts"][:world]
+    _, fused = build(rank, world, case, "none", max_tokens=max(counts) + 3)
+    fused.compute_aux_loss = True
+    order = []
+    launcher = fused.fused()
+    backward = launcher.backward
+
+    class Recorded:
+        def __getattr__(self, name):
+            return getattr(backward, name)
+
+        def __call__(self, *args):
+            order.append("fused")
+            return backward(*args)
+
+    launcher.backward = Recorded()
+    for name, p in fused.named_parameters():
+        if name.startswith("shared_experts"):
+            p.register_hook(lambda g, name=name: order.append(name))
+    x = tokens(rank, counts, hidden, seed=5, positive=False)[rank].requires_grad_(True)
+    g = cotangents(counts, hidden, seed=5)[rank]
+    out = fused(x)
+    ((out * g).sum() + fused.aux_loss).backward()
+    assert order[0] == "fused" and len(order) == 4, f"rank {rank}: backward order {order}"
+
+
+def test_fused_backward_runs_first():
+    """In an emulated world on one GPU a rank's cuBLAS kernels queued before its persistent
+    launch stalled the world (see FusedExpertsFunction): the shared experts' and the auxiliary
+    loss's backward must come after the fused one."""
+    run_world(2, check_backward_order, "softmax_shared", env=INTERPRET)
