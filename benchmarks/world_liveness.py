@@ -28,6 +28,7 @@ Variants (``--variants``, default all):
   eager_connections32  eager + connections32
   rehearse_rank_leaves rehearse + rank_leaves
   half_workers_rehearse half_workers + rehearse
+  fresh_grads    rehearse, and every parameter's .grad set to None before the second call
   pre_gemm       rehearse, and a cuBLAS GEMM on every rank's output gradient, which autograd
                  queues on the rank's stream just before its fused backward
 """
@@ -55,6 +56,7 @@ VARIANTS = {
     "eager_connections32": {"env": {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}},
     "rehearse_rank_leaves": {"rehearse": True, "rank_leaves": True},
     "half_workers_rehearse": {"rehearse": True, "half_workers": True},
+    "fresh_grads": {"rehearse": True, "fresh_grads": True},
     "pre_gemm": {"rehearse": True, "pre_gemm": True},
 }
 CASES = {
@@ -118,6 +120,9 @@ def child(args: argparse.Namespace, variant: dict) -> dict:
         gs = [torch.randn_like(x) for x in xs]
         if variant.get("rehearse"):
             emulated.rehearse(full, xs, gs)
+        if variant.get("fresh_grads"):
+            for layer in layers:
+                layer.zero_grad(set_to_none=True)
         launches.clear()
         if variant.get("rank_leaves"):
             def fwd_bwd(r, x, g):
@@ -141,9 +146,25 @@ def child(args: argparse.Namespace, variant: dict) -> dict:
                 except ExpertLayerTimeout as e:
                     records.append(str(e).split(". A peer")[0].replace("timed out after ", "after "))
         if records:
-            outcome.update(finished=False, record=f"call {call}: " + " | ".join(records))
+            outcome.update(finished=False, record=f"call {call}: " + " | ".join(records), state=world_state(layers))
             break
     return outcome
+
+
+def world_state(layers) -> dict:
+    """Per rank and direction after a stall: its epoch, the count-exchange flags it holds
+    (one per source rank), its workspace address and the addresses it would write its peers at."""
+    state = {}
+    for r, layer in enumerate(layers):
+        for launcher in (layer.fused(), layer.fused().backward):
+            words, flag = launcher._words.cpu(), launcher.layout.words["flag"]
+            world = launcher.fabric.world_size
+            state[f"{launcher.direction} {r}"] = {
+                "epoch": int(words[0]), "flags": words[flag: flag + world].tolist(),
+                "local": hex(launcher.workspace.local.data_ptr()),
+                "peers": [hex(p) for p in launcher.workspace.peers.cpu().tolist()],
+            }
+    return state
 
 
 def main() -> None:
@@ -177,6 +198,8 @@ def main() -> None:
         results[name] = result
         print(f"{name:15s} {'ok  ' if result['finished'] else 'FAIL'} workers {result.get('workers')} gap {result.get('max_launch_gap_s', float('nan')):7.3f} s"
               f"  {result['seconds']:6.1f} s  {result['record']}", flush=True)
+        for key, value in result.get("state", {}).items():
+            print(f"    {key}: {value}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"world": args.world, "case": args.case, "results": results}, f, indent=1)
