@@ -31,6 +31,11 @@ Variants (``--variants``, default all):
   fresh_grads    rehearse, and every parameter's .grad set to None before the second call
   pre_gemm       rehearse, and a cuBLAS GEMM on every rank's output gradient, which autograd
                  queues on the rank's stream just before its fused backward
+  pre_gemm_eager pre_gemm with CUDA_MODULE_LOADING=EAGER
+  pre_gemm_connections32 pre_gemm with CUDA_DEVICE_MAX_CONNECTIONS=32
+  pre_exp        rehearse, and an elementwise kernel (no GEMM) in the same place as pre_gemm's
+  post_gemm      rehearse, and a cuBLAS GEMM on every rank's output, right after its fused
+                 forward (issued by the caller's thread, not autograd's)
 """
 
 from __future__ import annotations
@@ -57,7 +62,11 @@ VARIANTS = {
     "rehearse_rank_leaves": {"rehearse": True, "rank_leaves": True},
     "half_workers_rehearse": {"rehearse": True, "half_workers": True},
     "fresh_grads": {"rehearse": True, "fresh_grads": True},
-    "pre_gemm": {"rehearse": True, "pre_gemm": True},
+    "pre_gemm": {"rehearse": True, "extra": "pre_gemm"},
+    "pre_gemm_eager": {"env": {"CUDA_MODULE_LOADING": "EAGER"}, "rehearse": True, "extra": "pre_gemm"},
+    "pre_gemm_connections32": {"env": {"CUDA_DEVICE_MAX_CONNECTIONS": "32"}, "rehearse": True, "extra": "pre_gemm"},
+    "pre_exp": {"rehearse": True, "extra": "pre_exp"},
+    "post_gemm": {"rehearse": True, "extra": "post_gemm"},
 }
 CASES = {
     "softmax": dict(hidden_size=1544, moe_intermediate_size=392, num_experts=48, top_k=8),
@@ -103,15 +112,20 @@ def child(args: argparse.Namespace, variant: dict) -> dict:
         layer.fused().prepare(torch.bfloat16)
     outcome = {"finished": True, "record": "", "max_launch_gap_s": 0.0, "workers": layers[0].fused().workers}
     square = torch.randn(shape["hidden_size"], shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
-    if variant.get("pre_gemm"):  # its kernels loaded beforehand: only their place in the queue is tested
+    if variant.get("extra") in ("pre_gemm", "post_gemm"):  # its kernels loaded beforehand: only their place in the queue is tested
         for n in COUNTS[:world]:
             torch.randn(n, shape["hidden_size"], device="cuda", dtype=torch.bfloat16) @ square
         torch.cuda.synchronize()
 
     def forward(r, x):
         out = layers[r](x)
-        if variant.get("pre_gemm"):
+        extra = variant.get("extra")
+        if extra == "pre_gemm":
             out.register_hook(lambda g: g + 0.0 * (g @ square))
+        elif extra == "pre_exp":
+            out.register_hook(lambda g: g + 0.0 * g.exp())
+        elif extra == "post_gemm":
+            out = out + 0.0 * (out @ square)
         return out
 
     for call in range(2):
