@@ -196,6 +196,7 @@ def main() -> None:
                         help="tile variants of the fused layer to run on each case")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    EmulatedWorld.set_environment()  # before ceilings() starts CUDA
     ceil = ceilings()
     log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
     results = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "cases": []}

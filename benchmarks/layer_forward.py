@@ -208,6 +208,7 @@ def main() -> None:
                         help="run these tile variants (implies --tiles)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    EmulatedWorld.set_environment()  # before ceilings() starts CUDA
     ceil = ceilings()
     log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
     variants = TILE_VARIANTS if args.tiles else {"default": GPU_TILES}

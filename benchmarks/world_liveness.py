@@ -28,6 +28,7 @@ Variants (``--variants``, default all):
   eager_connections32  eager + connections32
   rehearse_rank_leaves rehearse + rank_leaves
   half_workers_rehearse half_workers + rehearse
+  recommended    rehearse, started with EmulatedWorld.ENVIRONMENT (what the tests do)
   fresh_grads    rehearse, and every parameter's .grad set to None before the second call
   pre_gemm       rehearse, and a cuBLAS GEMM on every rank's output gradient, which autograd
                  queues on the rank's stream just before its fused backward
@@ -48,6 +49,8 @@ import subprocess
 import sys
 import time
 
+from kosmos_moe.fabric import EmulatedWorld
+
 VARIANTS = {
     "fused": {},
     "split": {"pattern": "split"},
@@ -61,6 +64,7 @@ VARIANTS = {
     "eager_connections32": {"env": {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}},
     "rehearse_rank_leaves": {"rehearse": True, "rank_leaves": True},
     "half_workers_rehearse": {"rehearse": True, "half_workers": True},
+    "recommended": {"env": EmulatedWorld.ENVIRONMENT, "rehearse": True},
     "fresh_grads": {"rehearse": True, "fresh_grads": True},
     "pre_gemm": {"rehearse": True, "extra": "pre_gemm"},
     "pre_gemm_eager": {"env": {"CUDA_MODULE_LOADING": "EAGER"}, "rehearse": True, "extra": "pre_gemm"},

@@ -83,33 +83,31 @@ class EmulatedWorld:
     rank's layer in turn, each under :meth:`run`'s per-rank stream, keeps all R kernels in
     flight together.
 
-    The host must also not wait between two ranks' launches, and the first use of a CUDA
-    kernel in a process can: CUDA loads modules (torch's kernels, cuBLAS's) lazily, and a load
-    waits for the kernels running on the device, here the earlier ranks' persistent kernels,
-    which wait for this rank. On an H200 the first forward+backward call of a world stalled
-    1.6-6 s that way (a shared expert's GEMMs at a new token count, the autograd thread's
-    first cuBLAS call) until a kernel's wait bound fired. The fused launcher warms its own host
-    path before a rank's first launch; for the rest of a training step, run each rank's batch
-    once through the same model without the fused backend (e.g. ``backend="reference"``),
-    each under its rank's stream, before the first fused call (:meth:`rehearse`).
+    Two settings, both read by CUDA once when it starts (:meth:`set_environment` sets them;
+    the world warns without them):
 
-    Each rank's stream also needs a hardware queue of its own: set
-    ``CUDA_DEVICE_MAX_CONNECTIONS=32`` before CUDA starts (the default is 8). Streams that
-    share a queue are launched in queue order, so rank r's backward, which waits in the queue
-    for rank r's forward to finish, holds back the forward of a rank queued behind it, which
-    rank r's forward waits for. On an H200 a world of 8 whose ranks each ran forward then
-    backward hung with 8 connections and finished with 32 (benchmarks/world_liveness.py);
-    running every rank's forward before any rank's backward also finished with 8.
+    * ``CUDA_MODULE_LOADING=EAGER``. CUDA otherwise loads a module (a torch kernel, a cuBLAS
+      GEMM) at its first launch, and a load may wait for the kernels running on the device:
+      here the earlier ranks' persistent kernels, which wait for this rank. On an H200, world
+      of 4 (benchmarks/world_liveness.py): one GEMM or one elementwise kernel added to each
+      rank's step between its forward and backward launches stalled the world in every run,
+      even with the GEMM's shapes run once beforehand (the autograd thread picked another
+      kernel); with eager loading the same run finished. The same stall, with the shared
+      experts' GEMMs in that place, stopped worlds of 4 with a shared expert, and earlier the
+      host 1.6-6 s between two ranks' first launches.
+    * ``CUDA_DEVICE_MAX_CONNECTIONS=32`` (the default is 8): a hardware queue per rank stream.
+      Streams that share a queue are launched in queue order, so rank r's backward, which
+      waits in the queue for rank r's forward to finish, holds back the forward of a rank
+      queued behind it, which rank r's forward waits for. On an H200 a world of 8 whose ranks
+      each ran forward then backward hung with 8 connections and finished with 32.
 
-    Open: worlds with a shared expert, whose cuBLAS GEMMs sit on each rank's stream between
-    its forward and backward launches, still stalled on the H200 with no host gap: at 4 ranks
-    with 33, 31 and 29 workers per rank (the last rank's backward began after its peers' wait
-    bound), not with 16; at 8 ranks with 14 workers per rank, not with 16 (world_liveness
-    ``--workers``).
+    Anything else a rank's step does the first time on the host (a cuBLAS handle, a first
+    allocation) is done before the first fused call by running each rank's batch once through
+    the same model without the fused backend, under its rank's stream (:meth:`rehearse`).
     """
 
-    #: Hardware queues that give every rank stream of the largest world its own.
-    CONNECTIONS = 32
+    #: What CUDA must be started with for an emulated world (see the class docs).
+    ENVIRONMENT = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 
     def __init__(self, world_size: int, device: torch.device | str = "cuda") -> None:
         self.world_size = world_size
@@ -122,13 +120,12 @@ class EmulatedWorld:
                 "(SharedFileFabric), since Triton's interpreter runs programs one after another"
             )
         if self.device.type == "cuda" and world_size > 1:
-            connections = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
-            if connections < self.CONNECTIONS:
+            wrong = {k: os.environ.get(k) for k, v in self.ENVIRONMENT.items() if os.environ.get(k) != v}
+            if wrong:
                 warnings.warn(
-                    f"an emulated world of {world_size} ranks with CUDA_DEVICE_MAX_CONNECTIONS={connections}: "
-                    "rank streams may share hardware queues, and a rank's forward+backward can then wait "
-                    f"forever for a peer queued behind it; set CUDA_DEVICE_MAX_CONNECTIONS={self.CONNECTIONS} "
-                    "before CUDA starts",
+                    f"an emulated world of {world_size} ranks with {wrong}: its ranks' persistent kernels can wait "
+                    f"forever for a peer held back by a lazy module load or a shared hardware queue; start CUDA with "
+                    f"{self.ENVIRONMENT} (EmulatedWorld.set_environment() before CUDA starts)",
                     stacklevel=2,
                 )
         self._allocations: list[tuple] = []
@@ -136,6 +133,15 @@ class EmulatedWorld:
         self.streams = (
             [torch.cuda.Stream(self.device) for _ in range(world_size)] if self.device.type == "cuda" else None
         )
+
+    @classmethod
+    def set_environment(cls) -> None:
+        """Set :attr:`ENVIRONMENT` where the caller has not set those variables; CUDA reads them
+        when it starts, so call this before the first CUDA call of the process."""
+        if torch.cuda.is_initialized():
+            raise RuntimeError("EmulatedWorld.set_environment() must run before CUDA starts")
+        for key, value in cls.ENVIRONMENT.items():
+            os.environ.setdefault(key, value)
 
     def rank(self, r: int) -> "EmulatedFabric":
         if not 0 <= r < self.world_size:

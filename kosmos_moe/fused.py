@@ -46,10 +46,10 @@ _WHAT = {
     10: "the SwiGLU-backward tiles of a local expert (weight-gradient tasks)",
 }
 _ERR_SHORT = 11
-# The two ways an emulated world was measured to stall with every rank launched (EmulatedWorld).
+# The ways an emulated world was measured to stall with every rank launched (EmulatedWorld).
 _EMULATED_HINT = (
-    f" In an emulated world, check that CUDA_DEVICE_MAX_CONNECTIONS={EmulatedWorld.CONNECTIONS} was set before CUDA "
-    "started, and that each rank's batch was rehearsed once (EmulatedWorld.rehearse) before its first fused call."
+    f" In an emulated world, check that CUDA was started with {EmulatedWorld.ENVIRONMENT} and that each rank's "
+    "batch was rehearsed once (EmulatedWorld.rehearse) before its first fused call."
 )
 
 

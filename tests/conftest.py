@@ -8,9 +8,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from kosmos_moe.fabric import EmulatedWorld  # noqa: E402  (importing torch does not start CUDA)
 
-# Emulated worlds need a hardware queue per rank stream (see EmulatedWorld); CUDA reads this
-# once, when it starts, which is after this file is imported.
-os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", str(EmulatedWorld.CONNECTIONS))
+# Emulated worlds need eager module loading and a hardware queue per rank stream (see
+# EmulatedWorld); CUDA reads both once, when it starts, which is after this file is imported.
+EmulatedWorld.set_environment()
 
 
 def pytest_runtest_logreport(report):
