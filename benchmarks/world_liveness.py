@@ -29,6 +29,7 @@ Variants (``--variants``, default all):
   rehearse_rank_leaves rehearse + rank_leaves
   half_workers_rehearse half_workers + rehearse
   recommended    rehearse, started with EmulatedWorld.ENVIRONMENT (what the tests do)
+  recommended_split, recommended_half  recommended + split, recommended + half_workers
   fresh_grads    rehearse, and every parameter's .grad set to None before the second call
   pre_gemm       rehearse, and a cuBLAS GEMM on every rank's output gradient, which autograd
                  queues on the rank's stream just before its fused backward
@@ -65,6 +66,8 @@ VARIANTS = {
     "rehearse_rank_leaves": {"rehearse": True, "rank_leaves": True},
     "half_workers_rehearse": {"rehearse": True, "half_workers": True},
     "recommended": {"env": EmulatedWorld.ENVIRONMENT, "rehearse": True},
+    "recommended_split": {"env": EmulatedWorld.ENVIRONMENT, "rehearse": True, "pattern": "split"},
+    "recommended_half": {"env": EmulatedWorld.ENVIRONMENT, "rehearse": True, "half_workers": True},
     "fresh_grads": {"rehearse": True, "fresh_grads": True},
     "pre_gemm": {"rehearse": True, "extra": "pre_gemm"},
     "pre_gemm_eager": {"env": {"CUDA_MODULE_LOADING": "EAGER"}, "rehearse": True, "extra": "pre_gemm"},
