@@ -106,14 +106,6 @@ class EmulatedWorld:
     the same model without the fused backend, under its rank's stream (:meth:`rehearse`).
     """
 
-    #: SMs left to the kernels a rank's step runs between its fused launches (cuBLAS GEMMs of
-    #: the shared experts, autograd's): H200, eager loading, 32 connections, world of 4 with a
-    #: shared expert, each rank forward then backward (world_liveness ``recommended``): 33 and
-    #: 30 workers per rank (0 and 12 SMs spare) stalled, 24 and 16 (36 and 68 spare) finished;
-    #: every rank's forward before any backward finished at 33. Why 12 spare SMs are too few
-    #: is not known.
-    SPARE_SMS = 36
-
     #: What CUDA must be started with for an emulated world (see the class docs).
     ENVIRONMENT = {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 
@@ -235,13 +227,6 @@ class EmulatedFabric(Fabric):
 
     def workspace(self, nbytes: int) -> Workspace:
         return self.world._workspace(self.rank, nbytes)
-
-    def max_workers(self) -> int:
-        """The GPU's SMs less :attr:`EmulatedWorld.SPARE_SMS`, shared by the ranks."""
-        if self.device.type != "cuda" or self.world_size == 1:
-            return super().max_workers()
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(1, (sms - EmulatedWorld.SPARE_SMS) // self.world_size)
 
 
 class SharedFileFabric(Fabric):
