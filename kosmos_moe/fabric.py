@@ -104,6 +104,14 @@ class EmulatedWorld:
     Anything else a rank's step does the first time on the host (a cuBLAS handle, a first
     allocation) is done before the first fused call by running each rank's batch once through
     the same model without the fused backend, under its rank's stream (:meth:`rehearse`).
+
+    Open: with both settings and a rehearsal, a world of 4 with a shared expert whose ranks
+    each run forward then backward still stalls on the H200 in its second call (counts 0, 300,
+    1, 517): the last rank's backward starts after its peers' wait bound, with no host gap
+    (world_liveness ``recommended``). It stalled at 33 and 30 workers per rank and finished at
+    24 and 16, and with every rank's forward before any backward at 33; a world of 2 finished
+    at 66. Leaving SMs spare in :meth:`EmulatedFabric.max_workers` was not run through the GPU
+    suites, so the default stays all SMs shared by the ranks.
     """
 
     #: What CUDA must be started with for an emulated world (see the class docs).
