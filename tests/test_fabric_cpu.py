@@ -1,5 +1,8 @@
-"""EmulatedWorld.rehearse on the CPU: it runs the step and touches no gradient or weight."""
+"""EmulatedWorld on the CPU: rehearse runs the step and touches no gradient or weight; set_environment."""
 
+import os
+
+import pytest
 import torch
 
 from kosmos_moe import ExpertLayer
@@ -18,3 +21,16 @@ def test_rehearse_runs_the_step_and_leaves_grads_alone():
     assert calls == [torch.Size([5, 16])]
     assert all(p.grad is None for p in layer.parameters())
     assert all(torch.equal(before[k], v) for k, v in layer.state_dict().items())
+
+
+def test_set_environment_fills_in_what_the_caller_left_unset(monkeypatch):
+    for key in EmulatedWorld.ENVIRONMENT:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "16")  # the caller's choice stands
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    EmulatedWorld.set_environment()
+    assert os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+    assert os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] == "16"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="before CUDA starts"):
+        EmulatedWorld.set_environment()
