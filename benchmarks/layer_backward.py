@@ -23,6 +23,7 @@ from torch import nn
 from layer_forward import CASES, TOKENS, ceilings, log, timed, work
 
 from kosmos_moe import ExpertLayer
+from kosmos_moe.activation_memory import saved_bytes
 from kosmos_moe.fabric import EmulatedWorld
 from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES
 
@@ -33,25 +34,6 @@ VARIANTS = {
     "default": (GPU_TILES, GPU_BACKWARD_TILES),
     "pointer_weights": (dataclasses.replace(GPU_TILES, tma=False), GPU_BACKWARD_TILES),
 }
-
-
-def saved_bytes(step, module: nn.Module) -> int:
-    """Bytes of the tensors autograd saves during ``step()``; weights (and views of them) and duplicates excluded."""
-    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        if t.untyped_storage().data_ptr() not in weights:
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
-            if key not in seen:
-                seen.add(key)
-                total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
-    return total
 
 
 def rank_layers(full: ExpertLayer, world: EmulatedWorld, max_tokens: int, profile: bool,

@@ -157,8 +157,8 @@ def _run(kernel, grid, args, kwargs, warmup: bool, what: str = "") -> None:
 def _compile_together(threads: int = 4):
     """Compile the kernels warmed up inside on a thread pool at once, then load them all.
 
-    A layer warms up three variants of two persistent kernels (forward with and without the
-    shared expert, backward); one after another that was ~27 s per shape, on a pool ~16 s
+    A layer warms up its two persistent kernels (forward, backward); one after another the
+    three variants a layer with a shared expert once had took ~27 s per shape, on a pool ~16 s
     (sm_90, measured on a CPU). Without Triton's asynchronous compile mode, one by one.
     """
     global _compiling
@@ -378,12 +378,12 @@ class FusedForward(_PersistentLaunch):
             self.backward.prepare(dtype)
 
     def __call__(
-        self, tokens: torch.Tensor, layer: nn.Module, shared: bool = True, keep_routing: bool = False
+        self, tokens: torch.Tensor, layer: nn.Module, keep_routing: bool = False
     ) -> tuple[torch.Tensor, ...]:
         """Run the layer's forward on ``tokens`` ``[T, H]``; return the output and top-k ids.
 
-        With ``shared=False`` the kernel leaves the shared expert out (training adds it through
-        autograd). With ``keep_routing`` it also returns copies of the int32 choices and fp32
+        The shared experts, if the layer has them, are part of the launch. With
+        ``keep_routing`` it also returns copies of the int32 choices and fp32
         weights ``[T, K]`` that the backward needs.
         """
         self.raise_if_failed(block=False)
@@ -401,7 +401,7 @@ class FusedForward(_PersistentLaunch):
                 self._warm_up(tokens if n > 0 else out, out, layer, with_backward)
                 # Ranks compile at their own pace; their first launches start together.
                 self.fabric.barrier()
-        self._launch(tokens if n > 0 else out, out, n, layer, shared, warmup=False)
+        self._launch(tokens if n > 0 else out, out, n, layer, warmup=False)
         lay, c = self.layout, self.config
         top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * c.top_k].view(n, c.top_k)
         self._watch()
@@ -415,15 +415,13 @@ class FusedForward(_PersistentLaunch):
         """Compile and load every kernel variant this layer may launch, before launching any.
 
         Loading a module while a peer's persistent kernel spins may wait for that kernel (CUDA
-        lazy loading serialises them), and the peer waits for this rank: so the inference and
-        training forwards and the backward are all loaded before this rank's first launch.
+        lazy loading serialises them), and the peer waits for this rank: so the forward and the
+        backward are both loaded before this rank's first launch.
         """
-        variants = [True, False] if layer.shared_experts is not None else [False]
         self._warm_host_path(x.device, x.dtype, with_backward)
         with _compile_together():
             if not self._warm:
-                for shared in variants:
-                    self._launch(x, out, x.shape[0], layer, shared, warmup=True)
+                self._launch(x, out, x.shape[0], layer, warmup=True)
             if with_backward and not self.backward.warm:
                 self.backward.warm_up(x, layer)
         self._warm = True
@@ -446,12 +444,12 @@ class FusedForward(_PersistentLaunch):
             choices.float().to(dtype)  # the router gradient, accumulated in fp32, cast to the weight's dtype
             importlib.import_module("torch.fx.experimental.symbolic_shapes")  # autograd's _make_grads imports it lazily
 
-    def _launch(self, x, out, n, layer, shared: bool, warmup: bool) -> None:
+    def _launch(self, x, out, n, layer, warmup: bool) -> None:
         from kosmos_moe.kernels.expert_forward import expert_forward_kernel
 
         c, t = self.config, self.tiles
         gate, experts = layer.gate, layer.experts
-        shared_mlp = layer.shared_experts if shared else None
+        shared_mlp = layer.shared_experts
         bias = gate.e_score_correction_bias
         dummy = self.workspace.local
         tma = tma_usable(t, c, x.dtype, x.device)
@@ -575,37 +573,48 @@ class FusedBackward(_PersistentLaunch):
 
 
 class FusedExpertsFunction(torch.autograd.Function):
-    """Autograd over the fused kernels: routed experts and router, one launch per direction.
+    """Autograd over the fused kernels: the whole layer forward in one launch, the routed
+    experts and router backward in one launch, the shared experts' backward recomputed.
 
-    The forward launch runs before ``apply`` (``launched`` is its result), and the shared
-    experts' output, computed between the two, is added here. That order matters in an
-    emulated world: autograd runs the ready node created last first, so this node's backward
-    (the fused launch) is queued on the rank's stream before the shared experts' backward
-    GEMMs, whose gradient it hands on. Queued the other way, a rank's cuBLAS kernels sat in
-    front of its persistent launch while its peers' launches spun on the same GPU, and a world
-    of 4 with a shared expert stalled on the H200.
+    The forward launch runs before ``apply`` (``launched`` is its result, the shared experts
+    included). The backward launches the fused kernel first, then recomputes the shared
+    experts' forward under autograd and takes their gradients, so that no GEMM sits on a
+    rank's stream between its two fused launches. In an emulated world (every rank on one GPU)
+    the shared experts' cuBLAS kernels there, while the peers' persistent kernels spun waiting
+    for that rank's backward, stalled a world of 4 with a shared expert on the H200, whether
+    queued before the backward launch or after the forward launch (EmulatedWorld's docs).
 
     Saved between the two: the input (which autograd keeps for the caller anyway), the
     forward's int32 choices and fp32 routing weights (``8 K`` bytes per token) and the weights
-    themselves (no copies). Everything else is recomputed inside the backward launch.
+    themselves (no copies). Nothing of the shared experts' activations: the recompute costs
+    one more shared-expert forward per step.
     """
 
     @staticmethod
-    def forward(ctx, tokens, router_weight, gate_up_proj, down_proj, shared_out, launched: tuple,
-                launcher: FusedForward):
+    def forward(ctx, tokens, launched: tuple, launcher: FusedForward, shared_mlp: nn.Module | None,
+                router_weight, gate_up_proj, down_proj, *shared_weights):
         out, top_e, top_e32, top_w = launched
-        if shared_out is not None:
-            out.add_(shared_out)
-        ctx.launcher = launcher
-        ctx.save_for_backward(tokens, router_weight, gate_up_proj, down_proj, top_e32, top_w)
+        ctx.launcher, ctx.shared_mlp = launcher, shared_mlp
+        ctx.save_for_backward(tokens, router_weight, gate_up_proj, down_proj, top_e32, top_w, *shared_weights)
         ctx.mark_non_differentiable(top_e)
         return out, top_e
 
     @staticmethod
     def backward(ctx, grad_out, _grad_top_e):
-        tokens, router_weight, gate_up_proj, down_proj, top_e, top_w = ctx.saved_tensors
+        tokens, router_weight, gate_up_proj, down_proj, top_e, top_w, *shared_weights = ctx.saved_tensors
         dx, d_router, d_gate_up, d_down = ctx.launcher.backward(
             tokens, grad_out, top_e, top_w, router_weight, gate_up_proj, down_proj
         )
-        d_shared = grad_out if ctx.needs_input_grad[4] else None
-        return dx, d_router.to(router_weight.dtype), d_gate_up, d_down, d_shared, None, None
+        d_shared = [None] * len(shared_weights)
+        need = ctx.needs_input_grad
+        need_shared = list(need[7:])
+        if any(need_shared) or (need[0] and shared_weights):
+            with torch.enable_grad():
+                x = tokens.detach().requires_grad_(need[0])
+                y = ctx.shared_mlp(x)
+                wrt = [t for t, n in zip([x, *shared_weights], [need[0], *need_shared]) if n]
+                got = iter(torch.autograd.grad(y, wrt, grad_out.to(y.dtype)))
+            if need[0]:
+                dx = dx + next(got)
+            d_shared = [next(got) if n else None for n in need_shared]
+        return (dx, None, None, None, d_router.to(router_weight.dtype), d_gate_up, d_down, *d_shared)

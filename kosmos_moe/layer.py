@@ -234,25 +234,15 @@ class ExpertLayer(nn.Module):
     def _kosmos_forward(self, tokens: torch.Tensor) -> torch.Tensor:
         launcher = self.fused()
         routed = (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj)
-        train_shared = self.shared_experts is not None and torch.is_grad_enabled() and any(
-            p.requires_grad for p in self.shared_experts.parameters()
-        )
-        if torch.is_grad_enabled() and (tokens.requires_grad or any(p.requires_grad for p in routed)):
+        shared = tuple(self.shared_experts.parameters()) if self.shared_experts is not None else ()
+        if torch.is_grad_enabled() and (tokens.requires_grad or any(p.requires_grad for p in routed + shared)):
             from .fused import FusedExpertsFunction
 
-            # Launch, then everything else of the forward, then the autograd node: see
-            # FusedExpertsFunction for why its backward must be the rank's first.
-            launched = launcher(tokens, self, shared=False, keep_routing=True)
-            shared_out = self.shared_experts(tokens) if self.shared_experts is not None else None
-            self._recompute_aux_loss(tokens)
-            out, top_e = FusedExpertsFunction.apply(tokens, *routed, shared_out, launched, launcher)
-        elif train_shared:
-            out, top_e = launcher(tokens, self, shared=False)  # only the shared experts train
-            out = out + self.shared_experts(tokens)
-            self._recompute_aux_loss(tokens)
+            launched = launcher(tokens, self, keep_routing=True)
+            out, top_e = FusedExpertsFunction.apply(tokens, launched, launcher, self.shared_experts, *routed, *shared)
         else:
-            out, top_e = launcher(tokens, self)  # inference: the shared expert inside, nothing saved
-            self._recompute_aux_loss(tokens)
+            out, top_e = launcher(tokens, self)  # inference: nothing saved
+        self._recompute_aux_loss(tokens)
         with torch.no_grad():
             counts = tokens_per_expert(top_e, self.config.num_experts)
             self.tokens_per_expert.copy_(counts)
