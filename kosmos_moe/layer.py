@@ -239,10 +239,13 @@ class ExpertLayer(nn.Module):
             from .fused import FusedExpertsFunction
 
             launched = launcher(tokens, self, keep_routing=True)
+            # Before the node: autograd runs the ready node made last first, and the fused
+            # backward must be the rank's first (see FusedExpertsFunction).
+            self._recompute_aux_loss(tokens)
             out, top_e = FusedExpertsFunction.apply(tokens, launched, launcher, self.shared_experts, *routed, *shared)
         else:
             out, top_e = launcher(tokens, self)  # inference: nothing saved
-        self._recompute_aux_loss(tokens)
+            self._recompute_aux_loss(tokens)
         with torch.no_grad():
             counts = tokens_per_expert(top_e, self.config.num_experts)
             self.tokens_per_expert.copy_(counts)
