@@ -602,11 +602,16 @@ class FusedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_top_e):
         tokens, router_weight, gate_up_proj, down_proj, top_e, top_w, *shared_weights = ctx.saved_tensors
-        dx, d_router, d_gate_up, d_down = ctx.launcher.backward(
-            tokens, grad_out, top_e, top_w, router_weight, gate_up_proj, down_proj
-        )
-        d_shared = [None] * len(shared_weights)
         need = ctx.needs_input_grad
+        dx = d_router = d_gate_up = d_down = None
+        # Only the shared experts train (routed experts and router frozen, input without
+        # grad): no launch. Every rank of a world runs the same model, so all skip together.
+        if need[0] or any(need[4:7]):
+            dx, d_router, d_gate_up, d_down = ctx.launcher.backward(
+                tokens, grad_out, top_e, top_w, router_weight, gate_up_proj, down_proj
+            )
+            d_router = d_router.to(router_weight.dtype)
+        d_shared = [None] * len(shared_weights)
         need_shared = list(need[7:])
         if any(need_shared) or (need[0] and shared_weights):
             with torch.enable_grad():
@@ -617,4 +622,4 @@ class FusedExpertsFunction(torch.autograd.Function):
             if need[0]:
                 dx = dx + next(got)
             d_shared = [next(got) if n else None for n in need_shared]
-        return (dx, None, None, None, d_router.to(router_weight.dtype), d_gate_up, d_down, *d_shared)
+        return (dx, None, None, None, d_router, d_gate_up, d_down, *d_shared)

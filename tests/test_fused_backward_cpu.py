@@ -325,3 +325,43 @@ def check_saved_bytes(rank, world, case):
 
 def test_saved_bytes_per_token():
     run_world(1, check_saved_bytes, "softmax_shared", env=INTERPRET)
+
+
+def check_only_shared_trains(rank, world, case):
+    """Router and routed experts frozen, input without grad: the shared experts get their
+    gradients (this rank's tokens) and no fused backward is launched."""
+    spec = CASES[case]
+    hidden = spec["shape"]["hidden_size"]
+    counts = spec["counts"][:world]
+    full, fused = build(rank, world, case, "none", max_tokens=max(counts) + 3)
+    for p in (fused.gate.weight, fused.experts.gate_up_proj, fused.experts.down_proj):
+        p.requires_grad_(False)
+    launches = []
+    launcher = fused.fused()
+    backward = launcher.backward
+
+    class Counted:
+        def __getattr__(self, name):
+            return getattr(backward, name)
+
+        def __call__(self, *args):
+            launches.append(args)
+            return backward(*args)
+
+    launcher.backward = Counted()
+    xs = tokens(rank, counts, hidden, seed=9, positive=False)
+    gs = cotangents(counts, hidden, seed=9)
+    out = fused(xs[rank])
+    assert out.grad_fn is not None
+    out.backward(gs[rank])
+    assert not launches, f"rank {rank}: the fused backward ran with nothing routed to train"
+    _, _, own_grads = reference_pass(full, [xs[rank]], [gs[rank]])
+    for name, p in fused.named_parameters():
+        if name.startswith("shared_experts"):
+            assert_grad_close(p.grad, own_grads[name], f"rank {rank}: {name}")
+        else:
+            assert p.grad is None, f"rank {rank}: frozen {name} got a gradient"
+
+
+def test_only_shared_experts_train():
+    run_world(2, check_only_shared_trains, "softmax_shared", env=INTERPRET)
