@@ -262,6 +262,22 @@ def test_accumulation_and_interleaved_backwards(world, patterns):
     run_world(world, check_patterns, "sigmoid_group_shared", patterns, env=INTERPRET)
 
 
+def record_backward_launches(layer, note):
+    """Call ``note()`` at every fused backward launch of ``layer``, then launch."""
+    launcher = layer.fused()
+    backward = launcher.backward
+
+    class Recorded:
+        def __getattr__(self, name):
+            return getattr(backward, name)
+
+        def __call__(self, *args):
+            note()
+            return backward(*args)
+
+    launcher.backward = Recorded()
+
+
 def check_backward_order(rank, world, case):
     """The fused backward is queued before every other backward kernel of the layer."""
     spec = CASES[case]
@@ -270,18 +286,7 @@ def check_backward_order(rank, world, case):
     _, fused = build(rank, world, case, "none", max_tokens=max(counts) + 3)
     fused.compute_aux_loss = True
     order = []
-    launcher = fused.fused()
-    backward = launcher.backward
-
-    class Recorded:
-        def __getattr__(self, name):
-            return getattr(backward, name)
-
-        def __call__(self, *args):
-            order.append("fused")
-            return backward(*args)
-
-    launcher.backward = Recorded()
+    record_backward_launches(fused, lambda: order.append("fused"))
     gate_forward = fused.gate.forward
 
     def recorded_gate(x):
@@ -337,18 +342,7 @@ def check_only_shared_trains(rank, world, case):
     for p in (fused.gate.weight, fused.experts.gate_up_proj, fused.experts.down_proj):
         p.requires_grad_(False)
     launches = []
-    launcher = fused.fused()
-    backward = launcher.backward
-
-    class Counted:
-        def __getattr__(self, name):
-            return getattr(backward, name)
-
-        def __call__(self, *args):
-            launches.append(args)
-            return backward(*args)
-
-    launcher.backward = Counted()
+    record_backward_launches(fused, lambda: launches.append(1))
     xs = tokens(rank, counts, hidden, seed=9, positive=False)
     gs = cotangents(counts, hidden, seed=9)
     out = fused(xs[rank])
