@@ -62,7 +62,7 @@ VARIANTS = {
     "rehearse": {"rehearse": True},
     "eager_rehearse": {"env": {"CUDA_MODULE_LOADING": "EAGER"}, "rehearse": True},
     "eager_split": {"env": {"CUDA_MODULE_LOADING": "EAGER"}, "pattern": "split"},
-    "eager_connections32": {"env": {"CUDA_MODULE_LOADING": "EAGER", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}},
+    "eager_connections32": {"env": EmulatedWorld.ENVIRONMENT},
     "rehearse_rank_leaves": {"rehearse": True, "rank_leaves": True},
     "half_workers_rehearse": {"rehearse": True, "half_workers": True},
     "recommended": {"env": EmulatedWorld.ENVIRONMENT, "rehearse": True},
@@ -118,15 +118,15 @@ def child(args: argparse.Namespace, variant: dict) -> dict:
     for layer in layers:
         layer.fused().prepare(torch.bfloat16)
     outcome = {"finished": True, "record": "", "max_launch_gap_s": 0.0, "workers": layers[0].fused().workers}
-    square = torch.randn(shape["hidden_size"], shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
-    if variant.get("extra") in ("pre_gemm", "post_gemm"):  # its kernels loaded beforehand: only their place in the queue is tested
+    extra = variant.get("extra")
+    if extra in ("pre_gemm", "post_gemm"):  # its kernels loaded beforehand: only their place in the queue is tested
+        square = torch.randn(shape["hidden_size"], shape["hidden_size"], device="cuda", dtype=torch.bfloat16)
         for n in COUNTS[:world]:
             torch.randn(n, shape["hidden_size"], device="cuda", dtype=torch.bfloat16) @ square
         torch.cuda.synchronize()
 
     def forward(r, x):
         out = layers[r](x)
-        extra = variant.get("extra")
         if extra == "pre_gemm":
             out.register_hook(lambda g: g + 0.0 * (g @ square))
         elif extra == "pre_exp":

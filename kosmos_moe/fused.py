@@ -590,6 +590,11 @@ class FusedExpertsFunction(torch.autograd.Function):
     one more shared-expert forward per step.
     """
 
+    # Positions in forward's inputs (ctx.needs_input_grad): the routed parameters and the
+    # first shared weight.
+    ROUTED = slice(4, 7)
+    SHARED = 7
+
     @staticmethod
     def forward(ctx, tokens, launched: tuple, launcher: FusedForward, shared_mlp: nn.Module | None,
                 router_weight, gate_up_proj, down_proj, *shared_weights):
@@ -606,13 +611,13 @@ class FusedExpertsFunction(torch.autograd.Function):
         dx = d_router = d_gate_up = d_down = None
         # Only the shared experts train (routed experts and router frozen, input without
         # grad): no launch. Every rank of a world runs the same model, so all skip together.
-        if need[0] or any(need[4:7]):
+        if need[0] or any(need[FusedExpertsFunction.ROUTED]):
             dx, d_router, d_gate_up, d_down = ctx.launcher.backward(
                 tokens, grad_out, top_e, top_w, router_weight, gate_up_proj, down_proj
             )
             d_router = d_router.to(router_weight.dtype)
         d_shared = [None] * len(shared_weights)
-        need_shared = list(need[7:])
+        need_shared = list(need[FusedExpertsFunction.SHARED:])
         if any(need_shared) or (need[0] and shared_weights):
             with torch.enable_grad():
                 x = tokens.detach().requires_grad_(need[0])

@@ -325,7 +325,8 @@ def check_saved_bytes(rank, world, case):
     _, fused = build(rank, world, case, "none", max_tokens=max(counts) + 3)
     x = tokens(rank, counts, hidden, seed=7, positive=False)[rank].requires_grad_(True)
     got = saved_bytes(lambda: fused(x), fused)
-    assert got == counts[rank] * (4 * hidden + 8 * top_k), f"rank {rank}: {got} bytes saved for {counts[rank]} tokens"
+    row = hidden * x.element_size()
+    assert got == counts[rank] * (row + 8 * top_k), f"rank {rank}: {got} bytes saved for {counts[rank]} tokens"
 
 
 def test_saved_bytes_per_token():
