@@ -34,8 +34,9 @@ FEED      claimed without a readiness check, in order: layout tiles (histogram o
           through rows, and gathered row reads there (an index load feeding each step's
           addresses) kept the compiler from pipelining the loop (sm_90 TTGIR: a full wait on
           every copy each step).
-DWGU, DWD (local expert, output tile) of ``dW[g;u]`` and ``dWd``: each task reduces over all of
-          the expert's rows in slot order (deterministic, no atomics). Ready when every
+DWGU, DWD (local expert, row block, strip of ``WS`` column blocks) of ``dW[g;u]`` and ``dWd``:
+          each output tile reduces over all of the expert's rows in slot order
+          (deterministic, no atomics); a strip is one flat pipelined loop. Ready when every
           SwiGLU-backward tile of the expert is done; experts without rows write zeros.
 DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T x`` over the
           local tokens in order. Ready when every route-backward tile is done.
@@ -64,7 +65,7 @@ from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
     WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add,
 )
-from .tile_gemm import rows_times_weight_tile, swiglu_backward_tile
+from .tile_gemm import row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
 
 PROFILE_SLOTS = ("idle", "layout", "count_exchange", "dispatch", "swiglu_backward", "dx",
                  "route_backward", "fold", "weight_grad", "router_weight_grad")
@@ -122,7 +123,7 @@ def expert_backward_kernel(
     B_COMB: tl.constexpr,
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
     BN_DH: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BWM: tl.constexpr,
-    BWN: tl.constexpr, BHR: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
+    BWN: tl.constexpr, WS: tl.constexpr, BHR: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
@@ -139,8 +140,10 @@ def expert_backward_kernel(
     N_WD_M: tl.constexpr = (H + BWM - 1) // BWM
     N_WD_N: tl.constexpr = (I + BWN - 1) // BWN
     N_WR_M: tl.constexpr = (E + BWM - 1) // BWM
-    n_dwgu = E_L * N_WGU_M * N_WGU_N
-    n_dwd = E_L * N_WD_M * N_WD_N
+    N_WGU_S: tl.constexpr = (N_WGU_N + WS - 1) // WS   # strips of WS column blocks per task
+    N_WD_S: tl.constexpr = (N_WD_N + WS - 1) // WS
+    n_dwgu = E_L * N_WGU_M * N_WGU_S
+    n_dwd = E_L * N_WD_M * N_WD_S
     n_dwr = N_WR_M * N_WGU_N
 
     ctl = peer_ptr(peers_ptr, me, 0, tl.int32)
@@ -449,48 +452,26 @@ def expert_backward_kernel(
                         q, open_q = claim(heads + Q_DWD, -1, n_dwd, open_q, OPEN_DWD)
                         kind = tl.where(q >= 0, 2, 0)
                 if kind > 0:
-                    per_e = tl.where(kind == 1, N_WGU_M * N_WGU_N, N_WD_M * N_WD_N)
+                    per_e = tl.where(kind == 1, N_WGU_M * N_WGU_S, N_WD_M * N_WD_S)
                     e = q // per_e
-                    n_cols_blocks = tl.where(kind == 1, N_WGU_N, N_WD_N)
-                    mb = (q % per_e) // n_cols_blocks
-                    nb = (q % per_e) % n_cols_blocks
+                    n_strips = tl.where(kind == 1, N_WGU_S, N_WD_S)
+                    mb = (q % per_e) // n_strips
+                    sb = (q % per_e) % n_strips
                     n_rows_e = pick(n_el, el_idx, e)
                     need = pick(tiles_el, el_idx, e) * N_IB
                     if tl.atomic_add(ctl + C_DH_EXP + e, 0, sem="acquire", scope="gpu") == need:
                         tl.debug_barrier()
-                        row_start = pick(row_start_el, el_idx, e)
-                        mcols = mb * BWM + tl.arange(0, BWM)
-                        ncols = nb * BWN + tl.arange(0, BWN)
-                        rr = tl.arange(0, BKW)
-                        acc = tl.zeros([BWM, BWN], dtype=tl.float32)
+                        r0 = pick(row_start_el, el_idx, e).to(tl.int64)
                         if kind == 1:
                             # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h]
-                            for r0 in range(0, n_rows_e, BKW):
-                                rows = row_start + r0 + rr
-                                row_ok = (r0 + rr) < n_rows_e
-                                xp = recv_x + rows.to(tl.int64) * H
-                                at = tl.load(dgu + rows.to(tl.int64)[:, None] * (2 * I) + mcols[None, :],
-                                             mask=row_ok[:, None] & (mcols < 2 * I)[None, :], other=0.0)
-                                b = tl.load(xp[:, None] + ncols[None, :], mask=row_ok[:, None] & (ncols < H)[None, :],
-                                            other=0.0)
-                                acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
-                            out = d_gate_up_ptr + e.to(tl.int64) * 2 * I * H + mcols.to(tl.int64)[:, None] * H + ncols[None, :]
-                            tl.store(out, acc.to(d_gate_up_ptr.dtype.element_ty),
-                                     mask=(mcols < 2 * I)[:, None] & (ncols < H)[None, :])
+                            row_reduction_strip(dgu + r0 * (2 * I), recv_x + r0 * H,
+                                                d_gate_up_ptr + e.to(tl.int64) * 2 * I * H, n_rows_e, mb * BWM,
+                                                sb * WS, 2 * I, H, WS, BWM, BWN, BKW, DOT_DTYPE, STAGES)
                         else:
                             # dWd[h, i] = sum_rows g[row, h] (w h)[row, i]
-                            for r0 in range(0, n_rows_e, BKW):
-                                rows = row_start + r0 + rr
-                                row_ok = (r0 + rr) < n_rows_e
-                                gp = recv_g + rows.to(tl.int64) * H
-                                at = tl.load(gp[:, None] + mcols[None, :], mask=row_ok[:, None] & (mcols < H)[None, :],
-                                             other=0.0)
-                                b = tl.load(hw + rows.to(tl.int64)[:, None] * I + ncols[None, :],
-                                            mask=row_ok[:, None] & (ncols < I)[None, :], other=0.0)
-                                acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
-                            out = d_down_ptr + e.to(tl.int64) * H * I + mcols.to(tl.int64)[:, None] * I + ncols[None, :]
-                            tl.store(out, acc.to(d_down_ptr.dtype.element_ty),
-                                     mask=(mcols < H)[:, None] & (ncols < I)[None, :])
+                            row_reduction_strip(recv_g + r0 * H, hw + r0 * I, d_down_ptr + e.to(tl.int64) * H * I,
+                                                n_rows_e, mb * BWM, sb * WS, H, I, WS, BWM, BWN, BKW,
+                                                DOT_DTYPE, STAGES)
                         did = 8
                         q = -1
                         kind = 0

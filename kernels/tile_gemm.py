@@ -234,3 +234,45 @@ def down_tile_tma_w(
         b = w_desc.load([w_row0 + n0, k0])
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)
     return acc
+
+
+@triton.jit
+def row_reduction_strip(
+    a_ptr, b_ptr, out_ptr, n_rows, m0, blk0,
+    M_DIM: tl.constexpr, N_DIM: tl.constexpr, STRIP: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``out[m0:m0+BM, n-block] = a[:n_rows, m0:m0+BM]^T @ b[:n_rows, n-block]`` for ``STRIP``
+    consecutive ``BN``-column blocks from ``blk0`` (fewer at the right edge).
+
+    ``a`` ``[n_rows, M_DIM]``, ``b`` ``[n_rows, N_DIM]`` and ``out`` ``[M_DIM, N_DIM]`` are
+    row-major. Each block reduces over the rows in order (deterministic). The blocks and their
+    row steps run as one flat loop so the software pipeline carries across block boundaries:
+    the next block's first loads are in flight during this block's store. Per-block loops
+    each paid a pipeline fill and a drain, which at one or two row steps per block (256
+    experts, ~128 rows each) cost more than the block's math. ``n_rows == 0`` writes zeros.
+    """
+    N_BLOCKS: tl.constexpr = (N_DIM + BN - 1) // BN
+    steps = tl.maximum(tl.cdiv(n_rows, BK), 1)
+    n_blocks = tl.minimum(N_BLOCKS - blk0, STRIP)
+    mcols = m0 + tl.arange(0, BM)
+    m_ok = mcols < M_DIM
+    rr = tl.arange(0, BK)
+    nn = tl.arange(0, BN)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for i in tl.range(0, n_blocks * steps, num_stages=STAGES):
+        blk = blk0 + i // steps
+        s = i % steps
+        rows = s * BK + rr
+        row_ok = rows < n_rows
+        r64 = rows.to(tl.int64)[:, None]
+        ncols = blk * BN + nn
+        at = tl.load(a_ptr + r64 * M_DIM + mcols[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + r64 * N_DIM + ncols[None, :], mask=row_ok[:, None] & (ncols < N_DIM)[None, :],
+                    other=0.0)
+        acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
+        if s == steps - 1:
+            out = out_ptr + mcols.to(tl.int64)[:, None] * N_DIM + ncols[None, :]
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (ncols < N_DIM)[None, :])
+            acc = tl.zeros([BM, BN], dtype=tl.float32)

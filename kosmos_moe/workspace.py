@@ -151,10 +151,12 @@ class BackwardTiles:
     fold_cols: int = 512         # BHF
     stages: int = 3
     warps: int = 8
+    wgrad_strip: int = 8         # WS: column blocks per weight-gradient task, one pipelined loop
 
 
 GPU_BACKWARD_TILES = BackwardTiles()
-INTERPRETER_BACKWARD_TILES = BackwardTiles(16, 16, 16, 16, 32, 16, 16, 16, 16, 16, 16, 16, 16, 32, 1, 1)
+# Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run.
+INTERPRETER_BACKWARD_TILES = BackwardTiles(16, 16, 16, 16, 32, 16, 16, 16, 16, 16, 16, 16, 16, 32, 1, 1, 2)
 
 
 def backward_layout(
