@@ -30,9 +30,18 @@ from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES
 # Tile variants (--variants): (forward tiles, backward tiles) of the fused layer. The backward
 # reads its weights by plain loads: TMA weight blocks made its SwiGLU-backward and dx tiles
 # slower on the H200 (8.8 vs 8.2 and 5.1 vs 4.8 ms per worker, DeepSeek-V3 one-rank view).
+# The others change one backward tile size each; those that an offline sm_90 compile showed
+# to serialize the kernel's wgmma for lack of registers (ptxas C7512: 128 x 256 or 256 x 128
+# weight-gradient tiles, 128-column SwiGLU-backward tiles) or to need more than 227 KB of
+# shared memory (4 stages at depth 64 or 32) are left out.
 VARIANTS = {
     "default": (GPU_TILES, GPU_BACKWARD_TILES),
     "pointer_weights": (dataclasses.replace(GPU_TILES, tma=False), GPU_BACKWARD_TILES),
+    "strip8": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, wgrad_strip=8)),
+    "rows64": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, rows=64, swiglu_cols=128)),
+    "dx256": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, dx_cols=256, depth=32)),
+    "depth32": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, depth=32)),
+    "wgrad_k32_stages4": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, wgrad_depth=32, stages=4)),
 }
 
 
