@@ -105,14 +105,14 @@ class EmulatedWorld:
     allocation) is done before the first fused call by running each rank's batch once through
     the same model without the fused backend, under its rank's stream (:meth:`rehearse`).
 
-    Open: with both settings and a rehearsal, a world of 4 with a shared expert whose ranks
-    each ran forward then backward still stalled on the H200 in its second call (counts 0,
-    300, 1, 517): the last rank's backward started after its peers' wait bound, with no host
-    gap (world_liveness ``recommended``). That was measured while the shared experts' GEMMs
-    ran between each rank's two launches, before FusedExpertsFunction moved them into the
-    forward launch and after the backward launch. It stalled at 33 and 30 workers per rank
-    and finished at 24 and 16, and with every rank's forward before any backward at 33; a
-    world of 2 finished at 66. The default stays all SMs shared by the ranks.
+    With both settings and a rehearsal, a world of 4 with a shared expert whose ranks each ran
+    forward then backward stalled on the H200 in its second call (counts 0, 300, 1, 517) while
+    the shared experts' GEMMs ran between each rank's two launches: the last rank's backward
+    started after its peers' wait bound, at 33 and 30 workers per rank (it finished at 24 and
+    16). With those GEMMs inside the forward launch and after the backward launch
+    (FusedExpertsFunction), the same world finished at 33 workers per rank, a world of 8 at 16
+    (world_liveness ``recommended``), and the backward and training GPU suites pass. The
+    default stays all SMs shared by the ranks.
     """
 
     #: What CUDA must be started with for an emulated world (see the class docs).
