@@ -44,6 +44,7 @@ VARIANTS = {
     "strip8": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, wgrad_strip=8)),
     "rows64": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, rows=64, swiglu_cols=128)),
     "dx256": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, dx_cols=256, depth=32)),
+    "dx_stages3": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, dx_stages=3)),
     "depth32": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, depth=32)),
     "wgrad_k32_stages4": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, wgrad_depth=32, stages=4)),
 }

@@ -124,6 +124,7 @@ def expert_backward_kernel(
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
     BN_DH: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BWM: tl.constexpr,
     BWN: tl.constexpr, WS: tl.constexpr, BHR: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
+    DX_STAGES: tl.constexpr,
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
@@ -232,7 +233,7 @@ def expert_backward_kernel(
                         n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
                         acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
                                                      w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
-                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, STAGES)
+                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, DX_STAGES)
                         rows = row0 + tl.arange(0, BM)
                         row_ok = tl.arange(0, BM) < n_rows
                         src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)

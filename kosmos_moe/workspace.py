@@ -151,12 +151,13 @@ class BackwardTiles:
     fold_cols: int = 512         # BHF
     stages: int = 3
     warps: int = 8
+    dx_stages: int = 4           # of the dx tiles: 3.64 vs 4.30 ms busy per worker at 3 (DeepSeek-V3 32 experts, H200); the SwiGLU-backward tiles fit only 3
     wgrad_strip: int = 16        # WS: column blocks per weight-gradient task, one pipelined loop (16 vs 8: 51.3 vs 54.2 ms fwd+bwd, DeepSeek-V3 256 experts, H200)
 
 
 GPU_BACKWARD_TILES = BackwardTiles()
 # Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run.
-INTERPRETER_BACKWARD_TILES = BackwardTiles(16, 16, 16, 16, 32, 16, 16, 16, 16, 16, 16, 16, 16, 32, 1, 1, 2)
+INTERPRETER_BACKWARD_TILES = BackwardTiles(16, 16, 16, 16, 32, 16, 16, 16, 16, 16, 16, 16, 16, 32, 1, 1, 1, 2)
 
 
 def backward_layout(
