@@ -138,7 +138,7 @@ def _load(compiled) -> None:
         compiled._init_handles()  # cuModuleLoad + cuModuleGetFunction now, not at first launch
 
 
-def _run(kernel, grid, args, kwargs, warmup: bool, what: str = "") -> None:
+def _run(kernel, args, kwargs, grid, warmup: bool, what: str = "") -> None:
     """Launch ``kernel``, or with ``warmup`` compile it and load its module without launching."""
     if not warmup:
         if log.isEnabledFor(logging.DEBUG):
@@ -230,12 +230,12 @@ class _PersistentLaunch:
         self.workspace = self.fabric.workspace(self.layout.nbytes)
         self._words = self.workspace.local[: 4 * self.layout.words["words"]].view(torch.int32)
 
-    def _common_constexprs(self, dtype: torch.dtype) -> dict:
+    def _common_constexprs(self, dtype: torch.dtype, on_gpu: bool | None = None) -> dict:
         import triton.language as tl
 
         c, lay = self.config, self.layout
         world = self.fabric.world_size
-        interp = self.fabric.device.type != "cuda"
+        interp = self.fabric.device.type != "cuda" if on_gpu is None else not on_gpu
         return dict(
             H=c.hidden_size, I=c.moe_intermediate_size, E=c.num_experts, E_L=c.num_experts // world,
             TOP_K=c.top_k, W=world, T_MAX=self.max_tokens, TILE_CAP=lay.tile_cap,
@@ -445,6 +445,12 @@ class FusedForward(_PersistentLaunch):
             importlib.import_module("torch.fx.experimental.symbolic_shapes")  # autograd's _make_grads imports it lazily
 
     def _launch(self, x, out, n, layer, warmup: bool) -> None:
+        _run(*self.kernel_call(x, out, n, layer), grid=(self.workers,), warmup=warmup,
+             what=f"forward rank {self.fabric.rank} tokens {n} shared {layer.shared_experts is not None}")
+
+    def kernel_call(self, x, out, n, layer, on_gpu: bool | None = None) -> tuple:
+        """``(kernel, args, constants)`` of the launch for ``n`` tokens; ``on_gpu`` overrides the
+        fabric's device in the compile-time choices (benchmarks/kernel_resources.py)."""
         from kosmos_moe.kernels.expert_forward import expert_forward_kernel
 
         c, t = self.config, self.tiles
@@ -468,7 +474,7 @@ class FusedForward(_PersistentLaunch):
             self.profile if self.profile is not None else self.workspace.peers,
         )
         kwargs = dict(
-            **self._common_constexprs(x.dtype),
+            **self._common_constexprs(x.dtype, on_gpu),
             I_S=c.shared_intermediate_size if shared_mlp is not None else 0,
             N_GROUP=c.n_group, TOPK_GROUP=c.topk_group, G_PAD=_next_pow2(c.n_group),
             BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
@@ -476,8 +482,7 @@ class FusedForward(_PersistentLaunch):
             STAGES=t.stages, TMA=tma, PROFILE=self.profile is not None,
             num_warps=t.warps,
         )
-        _run(expert_forward_kernel, (self.workers,), args, kwargs, warmup,
-             f"forward rank {self.fabric.rank} tokens {n} shared {shared_mlp is not None}")
+        return expert_forward_kernel, args, kwargs
 
     def raise_if_failed(self, block: bool = True) -> None:
         """Raise :class:`ExpertLayerTimeout` if an earlier forward or backward call timed out."""
@@ -550,6 +555,13 @@ class FusedBackward(_PersistentLaunch):
 
     def _launch(self, tokens, grad_out, dx, top_e, top_w, n, router_weight, gate_up_proj, down_proj,
                 d_router, d_gate_up, d_down, warmup: bool) -> None:
+        call = self.kernel_call(tokens, grad_out, dx, top_e, top_w, n, router_weight, gate_up_proj, down_proj,
+                                d_router, d_gate_up, d_down)
+        _run(*call, grid=(self.workers,), warmup=warmup, what=f"backward rank {self.fabric.rank} tokens {n}")
+
+    def kernel_call(self, tokens, grad_out, dx, top_e, top_w, n, router_weight, gate_up_proj, down_proj,
+                    d_router, d_gate_up, d_down, on_gpu: bool | None = None) -> tuple:
+        """``(kernel, args, constants)`` of the launch (see FusedForward.kernel_call)."""
         from kosmos_moe.kernels.expert_backward import expert_backward_kernel
 
         c, t = self.config, self.tiles
@@ -561,15 +573,14 @@ class FusedBackward(_PersistentLaunch):
             self.profile if self.profile is not None else self.workspace.peers,
         )
         kwargs = dict(
-            **self._common_constexprs(tokens.dtype),
+            **self._common_constexprs(tokens.dtype, on_gpu),
             BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
             BN_DH=t.swiglu_cols, BN_DX=t.dx_cols, BK=t.depth, BKW=t.wgrad_depth, BWM=t.wgrad_rows,
             BWN=t.wgrad_cols, WS=t.wgrad_strip, BHR=t.route_cols, BTF=t.fold_tokens, BHF=t.fold_cols, STAGES=t.stages, DX_STAGES=t.dx_stages,
             PROFILE=self.profile is not None,
             num_warps=t.warps,
         )
-        _run(expert_backward_kernel, (self.workers,), args, kwargs, warmup,
-             f"backward rank {self.fabric.rank} tokens {n}")
+        return expert_backward_kernel, args, kwargs
 
 
 class FusedExpertsFunction(torch.autograd.Function):
