@@ -1,20 +1,27 @@
-"""Compile the fused kernels for sm_90 on any machine (no GPU needed) and report what ptxas says.
+"""Compile the fused kernels for sm_90 on any machine (no GPU needed) and report what limits their GEMMs.
 
-Per kernel: registers per thread, spill stores and loads, shared memory per block, and every
-ptxas performance warning. Two warnings matter most for a persistent kernel, because ptxas
-applies them to the whole function, not to the loop that caused them:
+Per kernel: registers per thread, spill stores and loads, shared memory per block, every
+ptxas performance warning, and each loop that issues wgmma, with whether it keeps a wgmma in
+flight across iterations. The kernels are compiled from the same launchers the layer uses,
+with the GPU's compile-time constants (bf16 operands, the GPU router precision) and the
+launch's own specialization (16-byte aligned pointers are known to be), so the code is what
+the GPU would build; nothing runs. What ``--check`` fails on:
 
-* C7515, wgmma serialized because a non-wgmma instruction defines an accumulator register
-  inside a pipeline stage. Every per-block weight-gradient reduction loop of the backward
-  once caused it. The kernel's SwiGLU-backward, dx and weight-gradient tiles then all ran
-  without overlapping wgmma. Replacing those loops with one flat strip loop removed it; on
-  the H200 that was worth 14% on the SwiGLU-backward tiles and 10% on dx.
-* C7512, wgmma serialized for lack of registers: 128 x 256 or 256 x 128 weight-gradient
-  tiles and 128-column SwiGLU-backward tiles, next to everything else the kernel holds.
-
-Shared memory above 227 KB per block (sm_90) fails at launch, not at compile time, so it is
-checked here too. The kernels are compiled with the GPU's compile-time constants (bf16
-operands, the GPU router precision) from the same launchers the layer uses; nothing runs.
+* ptxas C7515: wgmma serialized because a non-wgmma instruction defines an accumulator
+  register inside a pipeline stage. ptxas applies it to the whole function, and a persistent
+  kernel is one function: every per-block weight-gradient reduction loop of the backward
+  once caused it, and the kernel's SwiGLU-backward, dx and weight-gradient tiles all ran
+  without overlapping wgmma. One flat strip loop per task removed it; on the H200 that was
+  worth 14% on the SwiGLU-backward tiles and 10% on dx.
+* ptxas C7512: wgmma serialized for lack of registers (128 x 256 or 256 x 128 weight-gradient
+  tiles, 128-column SwiGLU-backward tiles, next to everything else the kernel holds).
+* A 16-bit wgmma loop that waits for every dot before going on. Triton keeps a wgmma in
+  flight only if its shared-memory operands come from the pipeline's multi-buffered
+  asynchronous copies; an operand read by a plain load (one the compiler cannot prove
+  aligned enough to copy asynchronously) makes every dot of the loop synchronous. The
+  forward's gate/up loop was such a loop: its rows are a select between rows in place and
+  received rows, which lost their 16-byte alignment (``Tiles.row_alignment_hint``).
+* Shared memory above 227 KB per block, which fails at launch, not at compile time.
 
     python benchmarks/kernel_resources.py                         # DeepSeek-V3 rank view
     python benchmarks/kernel_resources.py --case qwen3_full --backward-tiles dx_stages=3
@@ -106,8 +113,8 @@ def ptxas_tool():
         return get_ptxas()
 
 
-def compile_sm90(kernel, args: tuple, constants: dict) -> dict:
-    """Compile one launch for sm_90a and return ptxas' report on it."""
+def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None) -> dict:
+    """Compile one launch for sm_90a and return ptxas' report on it (TTGIR and PTX into ``dump``)."""
     constants = dict(constants)
     options = {"num_warps": constants.pop("num_warps")}
     if "STAGES" in constants:
@@ -119,8 +126,22 @@ def compile_sm90(kernel, args: tuple, constants: dict) -> dict:
         if p.name not in constants:
             signature[p.name] = "constexpr"
             constants[p.name] = p.default
-    compiled = triton.compile(ASTSource(fn, signature, constexprs=constants),
+    # What the launch specializes on (triton.backends.compiler.BaseBackend): 16-byte aligned
+    # pointers and multiples of 16 are known divisible by 16, which decides whether loads are
+    # vectorized and pipelined through asynchronous copies.
+    attrs = {}
+    for i, (p, a) in enumerate(zip(fn.params, args)):
+        aligned = (isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0) or (
+            isinstance(a, int) and not isinstance(a, bool) and not p.do_not_specialize and a % 16 == 0)
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 64), options=options)
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for kind in ("ttgir", "ptx"):
+            with open(os.path.join(dump, f"{fn.__name__}.{kind}"), "w") as f:
+                f.write(compiled.asm[kind])
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
         with open(ptx, "w") as f:
@@ -143,13 +164,84 @@ def compile_sm90(kernel, args: tuple, constants: dict) -> dict:
         "shared_bytes": compiled.metadata.shared,
         "ptxas_warnings": warnings,
         "wgmma_serialized": sorted({m.group(1) for w in warnings if (m := SERIALIZED.search(w))}),
+        "wgmma_loops": wgmma_loops(compiled.asm["ttgir"]),
     }
+
+
+_LOC_DEF = re.compile(r'^#(loc\d*) = loc\((.*)\)$')
+
+
+def _source(loc: str, defs: dict, depth: int = 0) -> list[str]:
+    """``file:line`` frames of a TTGIR location, innermost first."""
+    body = defs.get(loc, "")
+    if depth > 50 or not body:
+        return []
+    m = re.match(r'"([^"]+)":(\d+):\d+', body)
+    if m:
+        return [f"{os.path.basename(m.group(1))}:{m.group(2)}"]
+    m = re.match(r"callsite\(#(loc\d*) at #(loc\d*)\)", body)
+    if m:
+        return _source(m.group(1), defs, depth + 1) + _source(m.group(2), defs, depth + 1)
+    m = re.match(r'"[^"]*"\(#(loc\d*)\)', body)  # a named location
+    return _source(m.group(1), defs, depth + 1) if m else []
+
+
+def wgmma_loops(ttgir: str) -> list[dict]:
+    """Every loop whose body issues wgmma (innermost loops), and whether it keeps one in flight.
+
+    ``in_flight`` is false when every ``warp_group_dot_wait`` in the loop waits for zero
+    pending dots: each wgmma then finishes before the loop moves on, as when an operand is a
+    plain load instead of a pipelined asynchronous copy (Triton's WGMMA pipelining rules).
+    """
+    lines = ttgir.splitlines()
+    defs = {m.group(1): m.group(2) for line in lines if (m := _LOC_DEF.match(line))}
+    loops, open_loops = [], []
+    for line in lines:
+        indent = len(line) - len(line.lstrip())
+        if open_loops and line.lstrip().startswith("}") and indent == open_loops[-1]["indent"]:
+            loop = open_loops.pop()
+            m = re.search(r"tt.num_stages = (\d+)", line)
+            loop["stages"] = int(m.group(1)) if m else None
+            if loop["dots"]:
+                loops.append(loop)
+            continue
+        if re.search(r"\bscf\.for\b", line):
+            open_loops.append({"indent": indent, "dots": 0, "dtype": None, "pendings": [], "plain_loads": 0,
+                               "async_loads": 0, "source": ""})
+            continue
+        if not open_loops:
+            continue
+        loop = open_loops[-1]
+        if "ttng.warp_group_dot " in line:
+            loop["dots"] += 1
+            m = re.search(r": (?:!ttg\.memdesc|tensor)<[\dx]+x(\w+?)[,>]", line)
+            loop["dtype"] = m.group(1) if m else loop["dtype"]
+            m = re.search(r"loc\(#(loc\d*)\)\s*$", line)
+            if m and not loop["source"]:
+                frames = _source(m.group(1), defs)
+                loop["source"] = frames[0] + (f" ({frames[-1]})" if len(frames) > 1 else "") if frames else ""
+        m = re.search(r"warp_group_dot_wait .*pendings = (\d+)", line)
+        if m:
+            loop["pendings"].append(int(m.group(1)))
+        if re.search(r"= tt\.load .*: tensor<\d+x\d+x!tt\.ptr", line):
+            loop["plain_loads"] += 1
+        if re.search(r"async_copy_global_to_local|async_tma_copy|tt\.descriptor_load", line):
+            loop["async_loads"] += 1
+    for loop in loops:
+        del loop["indent"]
+        loop["in_flight"] = any(p > 0 for p in loop["pendings"])
+    return loops
 
 
 def findings(report: dict) -> list[str]:
     out = []
     if report["wgmma_serialized"]:
         out.append(f"wgmma serialized ({', '.join(report['wgmma_serialized'])})")
+    for loop in report["wgmma_loops"]:
+        # 16-bit operands are the expert GEMMs; the fp32 router products run one stage.
+        if loop["dtype"] in ("bf16", "f16") and not loop["in_flight"]:
+            out.append(f"wgmma loop at {loop['source']} waits for every dot ({loop['plain_loads']} operand "
+                       "loads not asynchronous)")
     if report["shared_bytes"] > SM90_SHARED_LIMIT:
         out.append(f"{report['shared_bytes']} B of shared memory, over sm_90's {SM90_SHARED_LIMIT}")
     return out
@@ -163,19 +255,25 @@ def main() -> None:
     parser.add_argument("--backward-tiles", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="backward tile overrides")
     parser.add_argument("--tokens", type=int, default=4096, help="max tokens per rank (sizes the workspace)")
-    parser.add_argument("--check", action="store_true", help="exit 1 if a kernel serializes wgmma or overflows shared memory")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 on serialized wgmma, a 16-bit wgmma loop without a dot in flight, or shared memory over 227 KB")
     parser.add_argument("--out", help="write the reports as JSON here")
+    parser.add_argument("--dump", help="write each kernel's TTGIR and PTX into this directory")
     args = parser.parse_args()
     calls = kernel_calls(args.case, tile_overrides(args.tiles, GPU_TILES),
                          tile_overrides(args.backward_tiles, GPU_BACKWARD_TILES), args.tokens)
     reports, bad = {}, []
     for name in args.kernels:
         print(f"[{args.case}] compiling the {name} kernel for sm_90a", file=sys.stderr, flush=True)
-        r = reports[name] = compile_sm90(*calls[name])
+        r = reports[name] = compile_sm90(*calls[name], dump=args.dump)
         found = findings(r)
         bad += [f"{name}: {f}" for f in found]
         print(f"{name:9} {r['registers']} registers, spills {r['spill_stores']} B stored / {r['spill_loads']} B loaded, "
               f"shared {r['shared_bytes']} B" + "".join(f"\n  ptxas: {w}" for w in r["ptxas_warnings"]))
+        for loop in r["wgmma_loops"]:
+            print(f"  wgmma loop {loop['source']}: {loop['dots']} {loop['dtype']} dots, "
+                  f"{'one in flight' if loop['in_flight'] else 'each waited for'}, operand loads "
+                  f"{loop['async_loads']} async / {loop['plain_loads']} plain, {loop['stages']} stages")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"case": args.case, "ptxas": ptxas_tool().version, "kernels": reports}, f, indent=1)

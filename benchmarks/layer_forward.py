@@ -47,6 +47,7 @@ TILE_VARIANTS = {
     "down128": dataclasses.replace(GPU_TILES, down_cols=128),
     "stages4": dataclasses.replace(GPU_TILES, stages=4),
     "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),
+    "no_row_hint": dataclasses.replace(GPU_TILES, row_alignment_hint=False),
 }
 
 

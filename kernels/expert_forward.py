@@ -153,7 +153,7 @@ def expert_forward_kernel(
     # Tiles.
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
     BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -328,6 +328,13 @@ def expert_forward_kernel(
                     ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
                     a_rows = tl.where(src == me, x_ptr + (ent // TOP_K).to(tl.int64) * H,
                                       recv_x + rows.to(tl.int64) * H)
+                    if ROWS_ALIGNED:
+                        # The launcher checked that every row of both sources starts 16-byte
+                        # aligned. The select between two pointers loses the alignment the
+                        # compiler knew of each; without it the row loads are plain loads, not
+                        # pipelined asynchronous copies, and every wgmma of the tile waits for
+                        # them (benchmarks/kernel_resources.py reports the loop).
+                        a_rows = tl.multiple_of(a_rows, 16)
                     if TMA:
                         gate_up_tile_tma(a_rows, n_rows, w_gate_up_desc, e * 2 * I, w_gate_up_desc, e * 2 * I + I,
                                          h_r + row0.to(tl.int64) * I, ib * BN_GU,

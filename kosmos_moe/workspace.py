@@ -48,6 +48,7 @@ class Tiles:
     stages: int = 3
     warps: int = 8
     tma: bool = True             # weight blocks by TMA where the device and strides allow it (kosmos_moe.fused.weight_descriptors)
+    row_alignment_hint: bool = True  # tell the compiler gate/up rows are 16-byte aligned when they are (expert_forward)
 
 
 GPU_TILES = Tiles()

@@ -3,11 +3,15 @@
 ptxas serializes every wgmma of a function when one loop of it breaks the pipeline (C7515)
 or when the function runs out of registers (C7512). In a persistent kernel that one function
 is every task, so a single change to a rarely run task can slow all GEMM tiles down. The
-backward kernel shipped in that state once. This test compiles both kernels with the GPU's
-tiles at the DeepSeek-V3 one-rank shape through benchmarks/kernel_resources.py (Triton's own
-compiler and ptxas, no GPU) and fails on either warning or on shared memory over sm_90's
-227 KB. A second run with weight-gradient tiles known to exhaust the registers shows that
-the check does fail.
+backward kernel shipped in that state once. Separately, Triton makes every dot of a loop
+synchronous when one operand is a plain load instead of an asynchronous copy, which the
+forward's gate/up loop was until its rows were declared aligned.
+
+This test compiles both kernels with the GPU's tiles at the DeepSeek-V3 one-rank shape
+through benchmarks/kernel_resources.py (Triton's own compiler and ptxas, no GPU) and fails
+on either warning, on a 16-bit wgmma loop without a dot in flight, or on shared memory over
+sm_90's 227 KB. Two more runs show each check can fail: weight-gradient tiles known to
+exhaust the registers, and the forward without its row alignment hint.
 """
 
 import importlib.util
@@ -43,9 +47,19 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
         assert kernel["wgmma_serialized"] == [], (name, kernel["ptxas_warnings"])
         assert 0 < kernel["shared_bytes"] <= 232448, (name, kernel["shared_bytes"])
         assert kernel["registers"] > 0
+        gemm_loops = [loop for loop in kernel["wgmma_loops"] if loop["dtype"] == "bf16"]
+        assert len(gemm_loops) >= 4 and all(loop["in_flight"] for loop in gemm_loops), kernel["wgmma_loops"]
 
 
 def test_register_starved_tiles_are_reported(tmp_path):
     done, report = run_tool(tmp_path, "--kernels", "backward", "--backward-tiles", "wgrad_cols=256", "wgrad_depth=32")
     assert done.returncode == 1 and "wgmma serialized (C7512)" in done.stdout, done.stdout[-3000:]
     assert report["kernels"]["backward"]["wgmma_serialized"] == ["C7512"]
+
+
+def test_unaligned_gate_up_rows_are_reported(tmp_path):
+    done, report = run_tool(tmp_path, "--kernels", "forward", "--tiles", "row_alignment_hint=false")
+    assert done.returncode == 1 and "waits for every dot" in done.stdout, done.stdout[-3000:]
+    stalled = [loop for loop in report["kernels"]["forward"]["wgmma_loops"]
+               if loop["dtype"] == "bf16" and not loop["in_flight"]]
+    assert len(stalled) == 1 and stalled[0]["dots"] == 2 and stalled[0]["plain_loads"] == 1, stalled
