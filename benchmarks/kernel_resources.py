@@ -256,7 +256,8 @@ def main() -> None:
                         help="backward tile overrides")
     parser.add_argument("--tokens", type=int, default=4096, help="max tokens per rank (sizes the workspace)")
     parser.add_argument("--check", action="store_true",
-                        help="exit 1 on serialized wgmma, a 16-bit wgmma loop without a dot in flight, or shared memory over 227 KB")
+                        help="exit 1 on serialized wgmma, a 16-bit wgmma loop without a dot in flight, "
+                             "or shared memory over 227 KB")
     parser.add_argument("--out", help="write the reports as JSON here")
     parser.add_argument("--dump", help="write each kernel's TTGIR and PTX into this directory")
     args = parser.parse_args()
@@ -268,8 +269,8 @@ def main() -> None:
         r = reports[name] = compile_sm90(*calls[name], dump=args.dump)
         found = findings(r)
         bad += [f"{name}: {f}" for f in found]
-        print(f"{name:9} {r['registers']} registers, spills {r['spill_stores']} B stored / {r['spill_loads']} B loaded, "
-              f"shared {r['shared_bytes']} B" + "".join(f"\n  ptxas: {w}" for w in r["ptxas_warnings"]))
+        print(f"{name:9} {r['registers']} registers, spills {r['spill_stores']} B stored / "
+              f"{r['spill_loads']} B loaded, shared {r['shared_bytes']} B" + "".join(f"\n  ptxas: {w}" for w in r["ptxas_warnings"]))
         for loop in r["wgmma_loops"]:
             print(f"  wgmma loop {loop['source']}: {loop['dots']} {loop['dtype']} dots, "
                   f"{'one in flight' if loop['in_flight'] else 'each waited for'}, operand loads "

@@ -111,11 +111,7 @@ class ExpertExchange:
         expert_backward_kernel[(launch.workers,)](
             x.contiguous(), x, x, top_e, top_w, n, dummy, 1.0, dummy, dummy, dummy, dummy, dummy,
             launch.workspace.peers, self.fabric.rank, launch.wait_bound, dummy,
-            **consts,
-            BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
-            BN_DH=t.swiglu_cols, BN_DX=t.dx_cols, BK=t.depth, BKW=t.wgrad_depth, BWM=t.wgrad_rows,
-            BWN=t.wgrad_cols, WS=t.wgrad_strip, BHR=t.route_cols, BTF=t.fold_tokens, BHF=t.fold_cols, STAGES=t.stages, DX_STAGES=t.dx_stages,
-            PROFILE=False, MODE=1, num_warps=t.warps,
+            **consts, **t.kernel_constants(), PROFILE=False, MODE=1,
         )
         launch._watch()
         self._calls += 1

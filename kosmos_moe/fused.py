@@ -482,7 +482,8 @@ class FusedForward(_PersistentLaunch):
             STAGES=t.stages, TMA=tma, PROFILE=self.profile is not None,
             # Rows read in place from x and received rows (256-byte aligned workspace) all
             # start 16-byte aligned: the kernel may tell the compiler so.
-            ROWS_ALIGNED=t.row_alignment_hint and x.data_ptr() % 16 == 0 and c.hidden_size * x.element_size() % 16 == 0,
+            ROWS_ALIGNED=(t.row_alignment_hint and x.data_ptr() % 16 == 0
+                          and c.hidden_size * x.element_size() % 16 == 0),
             num_warps=t.warps,
         )
         return expert_forward_kernel, args, kwargs
@@ -576,12 +577,8 @@ class FusedBackward(_PersistentLaunch):
             self.profile if self.profile is not None else self.workspace.peers,
         )
         kwargs = dict(
-            **self._common_constexprs(tokens.dtype, on_gpu),
-            BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
-            BN_DH=t.swiglu_cols, BN_DX=t.dx_cols, BK=t.depth, BKW=t.wgrad_depth, BWM=t.wgrad_rows,
-            BWN=t.wgrad_cols, WS=t.wgrad_strip, BHR=t.route_cols, BTF=t.fold_tokens, BHF=t.fold_cols, STAGES=t.stages, DX_STAGES=t.dx_stages,
+            **self._common_constexprs(tokens.dtype, on_gpu), **t.kernel_constants(),
             PROFILE=self.profile is not None,
-            num_warps=t.warps,
         )
         return expert_backward_kernel, args, kwargs
 

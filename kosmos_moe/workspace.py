@@ -152,8 +152,22 @@ class BackwardTiles:
     fold_cols: int = 512         # BHF
     stages: int = 3
     warps: int = 8
-    dx_stages: int = 4           # of the dx tiles: 3.64 vs 4.30 ms busy per worker at 3 (DeepSeek-V3 32 experts, H200); the SwiGLU-backward tiles fit only 3
-    wgrad_strip: int = 16        # WS: column blocks per weight-gradient task, one pipelined loop (16 vs 8: 51.3 vs 54.2 ms fwd+bwd, DeepSeek-V3 256 experts, H200)
+    # Pipeline stages of the dx tiles: 3.64 vs 4.30 ms busy per worker at 3 (DeepSeek-V3, 32
+    # experts, H200). The SwiGLU-backward tiles fit only 3 in shared memory.
+    dx_stages: int = 4
+    # WS: column blocks per weight-gradient task, one pipelined loop. 16 vs 8: 51.3 vs 54.2 ms
+    # forward+backward (DeepSeek-V3, 256 experts, H200).
+    wgrad_strip: int = 16
+
+    def kernel_constants(self) -> dict:
+        """The backward kernel's tile constants (``num_warps`` included)."""
+        return dict(
+            BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols,
+            BM=self.rows, BN_DH=self.swiglu_cols, BN_DX=self.dx_cols, BK=self.depth, BKW=self.wgrad_depth,
+            BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip, BHR=self.route_cols,
+            BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
+            num_warps=self.warps,
+        )
 
 
 GPU_BACKWARD_TILES = BackwardTiles()
