@@ -116,13 +116,10 @@ def ptxas_tool():
 def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None) -> dict:
     """Compile one launch for sm_90a and return ptxas' report on it (TTGIR and PTX into ``dump``)."""
     constants = dict(constants)
-    options = {"num_warps": constants.pop("num_warps")}
-    if "STAGES" in constants:
-        options["num_stages"] = constants["STAGES"]
-    fn = kernel
-    signature = {name: mangle_type(a) for name, a in zip(fn.arg_names, args)}
+    options = {"num_warps": constants.pop("num_warps")}  # as launched: no other compile option
+    signature = {name: mangle_type(a) for name, a in zip(kernel.arg_names, args)}
     signature.update({name: "constexpr" for name in constants})
-    for p in fn.params[len(args):]:  # constexprs left at their defaults
+    for p in kernel.params[len(args):]:  # constexprs left at their defaults
         if p.name not in constants:
             signature[p.name] = "constexpr"
             constants[p.name] = p.default
@@ -130,17 +127,17 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None) 
     # pointers and multiples of 16 are known divisible by 16, which decides whether loads are
     # vectorized and pipelined through asynchronous copies.
     attrs = {}
-    for i, (p, a) in enumerate(zip(fn.params, args)):
+    for i, (p, a) in enumerate(zip(kernel.params, args)):
         aligned = (isinstance(a, torch.Tensor) and a.data_ptr() % 16 == 0) or (
             isinstance(a, int) and not isinstance(a, bool) and not p.do_not_specialize and a % 16 == 0)
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=attrs),
+    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs),
                               target=GPUTarget("cuda", 90, 64), options=options)
     if dump:
         os.makedirs(dump, exist_ok=True)
         for kind in ("ttgir", "ptx"):
-            with open(os.path.join(dump, f"{fn.__name__}.{kind}"), "w") as f:
+            with open(os.path.join(dump, f"{kernel.__name__}.{kind}"), "w") as f:
                 f.write(compiled.asm[kind])
     with tempfile.TemporaryDirectory() as tmp:
         ptx = os.path.join(tmp, "kernel.ptx")
