@@ -274,7 +274,7 @@ class _PersistentLaunch:
     def _watch(self) -> None:
         record = self._words[16: 16 + _ERROR_WORDS]
         if self.fabric.device.type != "cuda":
-            self._check(record.clone())
+            self._check(record.tolist())
             return
         if torch.cuda.is_current_stream_capturing():
             return  # under graph capture, raise_if_failed(block=True) reads the record itself
@@ -299,13 +299,15 @@ class _PersistentLaunch:
         if block and self.workspace is not None:
             if self.fabric.device.type == "cuda":
                 torch.cuda.synchronize(self.fabric.device)
-            self._check(self._words[16: 16 + _ERROR_WORDS].cpu())
+            self._check(self._words[16: 16 + _ERROR_WORDS].tolist())
         still, records = [], []
         for event, slot in self._pending:
             if block or event.query():
                 if block:
                     event.synchronize()
-                records.append(_HostRecords._table[slot].clone())
+                # A list, not a clone: cloning a pinned tensor allocates pinned memory, which
+                # waits for the device (H200: 0.4 ms per call, and no call ran ahead of the GPU).
+                records.append(_HostRecords._table[slot].tolist())
                 _HostRecords.give(slot)
             else:
                 still.append((event, slot))
@@ -313,8 +315,8 @@ class _PersistentLaunch:
         for record in records:
             self._check(record)
 
-    def _check(self, record: torch.Tensor) -> None:
-        kind, rank, task, peer, index, expected, observed, _ = (int(v) for v in record.tolist())
+    def _check(self, record: list[int]) -> None:
+        kind, rank, task, peer, index, expected, observed, _ = (int(v) for v in record)
         if kind == 0:
             return
         if kind == _ERR_SHORT:
