@@ -58,7 +58,7 @@ import triton.language as tl
 
 from .profile import now
 from .queues import (
-    claim, count_flags, dispatch_chunk, expert_rows, fold_block, locate, pick, poll_counts, record_missing_counts,
+    claim, count_flags, dispatch_chunk, expert_tasks, fold_block, locate, pick, poll_counts, record_missing_counts,
 )
 from .route import router_logits, routing_backward
 from .signals import (
@@ -188,20 +188,21 @@ def expert_backward_kernel(
     known = tl.sum(w_idx, axis=0) < 0  # false; a tensor, since it is carried by the loop
     flags = tl.zeros([W_PAD], dtype=tl.int32)
     table = tl.zeros([W_PAD, EL_PAD], dtype=tl.int32)
+    n_el, tiles_el, tile_start_el, row_start_el, cum_dh, cum_dx, n_dh, n_dx = expert_tasks(table, BM, N_IB, N_HB)
     while running > 0:
         t_pass = now() if PROFILE else 0
         did = 0
-        known, flags, table = poll_counts(ctl, known, flags, table, epoch, par, me, W, W_PAD, E, E_L, EL_PAD,
-                                          C_FLAG, C_TABLE, SCOPE)
-        n_el, tiles_el, tile_start_el, row_start_el = expert_rows(table, BM)
-        cum_dh = tl.cumsum(tiles_el * N_IB, axis=0)
-        cum_dx = tl.cumsum(tiles_el * N_HB, axis=0)
-        n_dh = tl.sum(tiles_el * N_IB, axis=0)
-        n_dx = tl.sum(tiles_el * N_HB, axis=0)
+        if known == 0:
+            known, flags, table = poll_counts(ctl, known, flags, table, epoch, par, me, W, W_PAD, E, E_L, EL_PAD,
+                                              C_FLAG, C_TABLE, SCOPE)
+            n_el, tiles_el, tile_start_el, row_start_el, cum_dh, cum_dx, n_dh, n_dx = expert_tasks(table, BM, N_IB, N_HB)
 
         # ---- FOLD ----
         if MODE == 0:
-            f, open_q = claim(heads + Q_FOLD, held_f, n_fold, open_q, OPEN_FOLD)
+            # Looked at once the DX queue is taken to its end, as the forward's FOLD.
+            f = held_f
+            if (open_q & OPEN_DX) == 0:
+                f, open_q = claim(heads + Q_FOLD, held_f, n_fold, open_q, OPEN_FOLD)
             if f >= 0:
                 toks = f * BTF + tl.arange(0, BTF)
                 tok_ok = toks < n_tokens

@@ -67,7 +67,9 @@ only on that rank's route tiles). Readiness follows the order FEED < GATE_UP < D
 across all ranks, a single topological order. Whatever is earliest unfinished in that order
 has its dependencies done, so it is running, held by a worker that will run it at its next
 pass, or unclaimed and claimable by the next worker with a free slot for that queue (one whose
-ticket there has run). So the protocol finishes with any number of workers per rank, one
+ticket there has run). FOLD and SDOWN are claimed only by a worker that has found DOWN,
+respectively SGATE_UP, taken to its end; when one of them is earliest unfinished, every task of
+that queue has run, so the next worker that visits it finds it so, and claims next pass. So the protocol finishes with any number of workers per rank, one
 included, provided every rank's kernel is running (the fabric guarantees residency).
 
 Epochs and buffer reuse
@@ -90,7 +92,7 @@ import triton.language as tl
 
 from .profile import now
 from .queues import (
-    claim as _claim, count_flags, dispatch_chunk, expert_rows, fold_block, locate as _locate, pick as _pick,
+    claim as _claim, count_flags, dispatch_chunk, expert_tasks, fold_block, locate as _locate, pick as _pick,
     poll_counts, record_missing_counts,
 )
 from .route import router_logits, top_k_routing
@@ -206,19 +208,22 @@ def expert_forward_kernel(
     known = tl.sum(w_idx, axis=0) < 0  # false; a tensor, since it is carried by the loop
     flags = tl.zeros([W_PAD], dtype=tl.int32)
     table = tl.zeros([W_PAD, EL_PAD], dtype=tl.int32)
+    n_el, tiles_el, tile_start_el, row_start_el, cum_gu, cum_dn, n_gu, n_dn = expert_tasks(table, BM, N_IB, N_HB)
     while running > 0:
         t_pass = now() if PROFILE else 0
         did = 0  # the kind of task this pass ran (0: none); see PROFILE_SLOTS
-        known, flags, table = poll_counts(ctl, known, flags, table, epoch, par, me, W, W_PAD, E, E_L, EL_PAD,
-                                          C_FLAG, C_TABLE, SCOPE)
-        n_el, tiles_el, tile_start_el, row_start_el = expert_rows(table, BM)
-        cum_gu = tl.cumsum(tiles_el * N_IB, axis=0)
-        cum_dn = tl.cumsum(tiles_el * N_HB, axis=0)
-        n_gu = tl.sum(tiles_el * N_IB, axis=0)
-        n_dn = tl.sum(tiles_el * N_HB, axis=0)
+        if known == 0:
+            known, flags, table = poll_counts(ctl, known, flags, table, epoch, par, me, W, W_PAD, E, E_L, EL_PAD,
+                                              C_FLAG, C_TABLE, SCOPE)
+            n_el, tiles_el, tile_start_el, row_start_el, cum_gu, cum_dn, n_gu, n_dn = expert_tasks(table, BM, N_IB, N_HB)
 
         # ---- FOLD ----
-        f, open_q = _claim(heads + Q_FOLD, held_f, n_fold, open_q, OPEN_FOLD)
+        # Looked at once this worker has found the DOWN queue taken to its end: a block's rows
+        # come from down tiles all along that queue, so a look before then is one wasted round
+        # trip in every pass of every task.
+        f = held_f
+        if (open_q & OPEN_DOWN) == 0:
+            f, open_q = _claim(heads + Q_FOLD, held_f, n_fold, open_q, OPEN_FOLD)
         if f >= 0:
             toks = f * BTF + tl.arange(0, BTF)
             tok_ok = toks < n_tokens
@@ -278,7 +283,11 @@ def expert_forward_kernel(
 
         # ---- SDOWN (shared expert) ----
         if did == 0:
-            q, open_q = _claim(heads + Q_SDOWN, held_sdn, n_sdn, open_q, OPEN_SDOWN)
+            # Claimed once this worker has found the SGATE_UP queue taken to its end: a row
+            # tile's shared gate/up tiles lie all along that queue (row tile fastest).
+            q = held_sdn
+            if (open_q & OPEN_SGATE_UP) == 0:
+                q, open_q = _claim(heads + Q_SDOWN, held_sdn, n_sdn, open_q, OPEN_SDOWN)
             if q >= 0:
                 hb = q // n_tiles_s
                 m = q % n_tiles_s

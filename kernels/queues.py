@@ -36,8 +36,11 @@ def claim(head, held, n, open_q, BIT: tl.constexpr):
     (-1: none) and ``open_q``, whose bit is cleared once the queue has no task left to take."""
     t = held
     if (held < 0) & ((open_q & BIT) != 0):
-        t = ticket(head, -1, n)
-        if t < 0:
+        # No peek first (one round trip less per claim): a worker whose ticket comes back past
+        # the end never visits the queue again, so the head ends at most one per worker past n.
+        t = tl.atomic_add(head, 1, sem="relaxed")
+        if t >= n:
+            t = -1
             open_q = open_q & ~BIT
     return t, open_q
 
@@ -98,6 +101,20 @@ def expert_rows(table, BM: tl.constexpr):
     n_el = tl.sum(table, axis=0)
     tiles_el = tl.cdiv(n_el, BM)
     return n_el, tiles_el, tl.cumsum(tiles_el, axis=0) - tiles_el, tl.cumsum(n_el, axis=0) - n_el
+
+
+@triton.jit
+def expert_tasks(table, BM: tl.constexpr, N_A: tl.constexpr, N_B: tl.constexpr):
+    """``expert_rows``, then for two task kinds with N_A and N_B tasks per row tile: the
+    inclusive prefix sums of their tasks over local experts (for ``locate``) and their totals.
+
+    The kernels compute this once, when the counts come in, and carry it: recomputed every
+    pass, its prefix sums (shared-memory scans and barriers) cost each task a few microseconds.
+    """
+    n_el, tiles_el, tile_start_el, row_start_el = expert_rows(table, BM)
+    return (n_el, tiles_el, tile_start_el, row_start_el,
+            tl.cumsum(tiles_el * N_A, axis=0), tl.cumsum(tiles_el * N_B, axis=0),
+            tl.sum(tiles_el * N_A, axis=0), tl.sum(tiles_el * N_B, axis=0))
 
 
 @triton.jit
