@@ -6,6 +6,7 @@ import importlib
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -208,7 +209,7 @@ class _PersistentLaunch:
         self.layout: WorkspaceLayout | None = None
         self.workspace = None
         self._dtype = None
-        self._pending: list[tuple[torch.cuda.Event, int]] = []
+        self._pending: deque[tuple[torch.cuda.Event, int]] = deque()
         self.failed: ExpertLayerTimeout | None = None
         # With profile=True (GPU only), every call adds per-task-kind nanoseconds and counts
         # here; see the kernel module's PROFILE_SLOTS.
@@ -300,18 +301,21 @@ class _PersistentLaunch:
             if self.fabric.device.type == "cuda":
                 torch.cuda.synchronize(self.fabric.device)
             self._check(self._words[16: 16 + _ERROR_WORDS].tolist())
-        still, records = [], []
-        for event, slot in self._pending:
-            if block or event.query():
-                if block:
-                    event.synchronize()
-                # A list, not a clone: cloning a pinned tensor allocates pinned memory, which
-                # waits for the device (H200: 0.4 ms per call, and no call ran ahead of the GPU).
-                records.append(_HostRecords._table[slot].tolist())
-                _HostRecords.give(slot)
-            else:
-                still.append((event, slot))
-        self._pending = still
+        records = []
+        # Oldest first, stopping at the first call still running: the calls of a stream finish
+        # in order, and a look at every call in flight per call costs a query each (a host
+        # running far ahead would pay for all of them every call).
+        while self._pending:
+            event, slot = self._pending[0]
+            if block:
+                event.synchronize()
+            elif not event.query():
+                break
+            self._pending.popleft()
+            # A list, not a clone: cloning a pinned tensor allocates pinned memory (cProfile of
+            # 20 Qwen3 forwards on the H200: 26 of 40 ms in 7 clones).
+            records.append(_HostRecords._table[slot].tolist())
+            _HostRecords.give(slot)
         for record in records:
             self._check(record)
 
