@@ -210,6 +210,8 @@ class _PersistentLaunch:
         self.workspace = None
         self._dtype = None
         self._pending: deque[tuple[torch.cuda.Event, int]] = deque()
+        self._constexprs: dict[tuple, dict] = {}
+        self._descriptors: tuple[tuple, tuple] | None = None  # (weights' addresses and shapes, descriptors)
         self.failed: ExpertLayerTimeout | None = None
         # With profile=True (GPU only), every call adds per-task-kind nanoseconds and counts
         # here; see the kernel module's PROFILE_SLOTS.
@@ -232,6 +234,14 @@ class _PersistentLaunch:
         self._words = self.workspace.local[: 4 * self.layout.words["words"]].view(torch.int32)
 
     def _common_constexprs(self, dtype: torch.dtype, on_gpu: bool | None = None) -> dict:
+        # Built once per (dtype, device kind): every call launches with them, and rebuilding
+        # the dict of some sixty entries was a tenth of the host's time per call.
+        key = (dtype, on_gpu)
+        if key not in self._constexprs:
+            self._constexprs[key] = self._build_constexprs(dtype, on_gpu)
+        return self._constexprs[key]
+
+    def _build_constexprs(self, dtype: torch.dtype, on_gpu: bool | None) -> dict:
         import triton.language as tl
 
         c, lay = self.config, self.layout
@@ -454,6 +464,17 @@ class FusedForward(_PersistentLaunch):
         _run(*self.kernel_call(x, out, n, layer), grid=(self.workers,), warmup=warmup,
              what=f"forward rank {self.fabric.rank} tokens {n} shared {layer.shared_experts is not None}")
 
+    def _weight_descriptors(self, experts: nn.Module, shared_mlp: nn.Module | None) -> tuple:
+        """``weight_descriptors``, rebuilt only when a weight moved or changed shape (an
+        optimizer's in-place update keeps the descriptors valid)."""
+        weights = [experts.gate_up_proj, experts.down_proj]
+        if shared_mlp is not None:
+            weights += [shared_mlp.gate_proj.weight, shared_mlp.up_proj.weight, shared_mlp.down_proj.weight]
+        key = tuple((w.data_ptr(), w.shape, w.stride()) for w in weights)
+        if self._descriptors is None or self._descriptors[0] != key:
+            self._descriptors = (key, weight_descriptors(experts, shared_mlp, self.tiles))
+        return self._descriptors[1]
+
     def kernel_call(self, x, out, n, layer, on_gpu: bool | None = None) -> tuple:
         """``(kernel, args, constants)`` of the launch for ``n`` tokens; ``on_gpu`` overrides the
         fabric's device in the compile-time choices (benchmarks/kernel_resources.py)."""
@@ -475,7 +496,7 @@ class FusedForward(_PersistentLaunch):
             x, out, n,
             gate.weight, bias if bias is not None else dummy, float(c.routed_scaling_factor),
             *weights,
-            *(weight_descriptors(experts, shared_mlp, t) if tma else weights),
+            *(self._weight_descriptors(experts, shared_mlp) if tma else weights),
             self.workspace.peers, self.fabric.rank, self.wait_bound,
             self.profile if self.profile is not None else self.workspace.peers,
         )
