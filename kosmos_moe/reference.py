@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from einops import rearrange
 
+from .balance import tokens_per_expert
 from .distributed import all_to_all_rows, ep_rank_and_world, exchange_counts
 from .experts import GroupedExperts
 from .router import Routing
@@ -44,12 +45,14 @@ def reference_expert_forward(
     flat_experts = routing.experts.reshape(-1)
     order = torch.argsort(flat_experts, stable=True)
     send_rows = tokens.index_select(0, order // top_k)
-    send_counts = torch.bincount(flat_experts, minlength=num_experts)
+    # No host sync at EP=1, as in torchtitan's grouped_mm path: bincount on CUDA reads its
+    # maximum on the host, and the grouped GEMMs take their offsets on the device (only the
+    # per-expert loop that stands in for them off Hopper reads the counts on the host).
+    send_counts = tokens_per_expert(flat_experts, num_experts)
 
     if world == 1:
         rows, rows_per_expert = send_rows, send_counts
-        rows_per_expert_list = rows_per_expert.tolist()
-        y = experts(rows, rows_per_expert, rows_per_expert_list)
+        y = experts(rows, rows_per_expert)
         returned = y
     else:
         recv_counts = exchange_counts(send_counts, group)
