@@ -465,12 +465,12 @@ class FusedForward(_PersistentLaunch):
              what=f"forward rank {self.fabric.rank} tokens {n} shared {layer.shared_experts is not None}")
 
     def _weight_descriptors(self, experts: nn.Module, shared_mlp: nn.Module | None) -> tuple:
-        """``weight_descriptors``, rebuilt only when a weight moved or changed shape (an
+        """``weight_descriptors``, rebuilt only when a weight moved or changed dtype or shape (an
         optimizer's in-place update keeps the descriptors valid)."""
         weights = [experts.gate_up_proj, experts.down_proj]
         if shared_mlp is not None:
             weights += [shared_mlp.gate_proj.weight, shared_mlp.up_proj.weight, shared_mlp.down_proj.weight]
-        key = tuple((w.data_ptr(), w.shape, w.stride()) for w in weights)
+        key = tuple((w.data_ptr(), w.dtype, w.shape, w.stride()) for w in weights)
         if self._descriptors is None or self._descriptors[0] != key:
             self._descriptors = (key, weight_descriptors(experts, shared_mlp, self.tiles))
         return self._descriptors[1]

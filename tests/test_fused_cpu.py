@@ -123,6 +123,38 @@ def test_fused_skewed_routing(world):
     run_world(world, check_cases, items, env=INTERPRET)
 
 
+def check_weight_changes(rank, world):
+    """A call after the weights changed computes with the new ones, whether they were updated in
+    place (as an optimizer does) or replaced by new tensors (the launcher caches the weights'
+    TMA descriptors between calls)."""
+    shape = CASES["softmax_shared"]["shape"]
+    torch.manual_seed(0)
+    full = ExpertLayer(**shape)
+    fused = ExpertLayer(**shape, backend="kosmos", max_tokens_per_rank=32, workers_per_rank=2,
+                        fused_options=dict(tiles=INTERPRETER_TILES))
+    fused.load_full_state_dict(full.state_dict())
+    x = torch.randn(21, shape["hidden_size"])
+    for change in ("none", "in_place", "new_tensors"):
+        with torch.no_grad():
+            if change == "in_place":
+                for layer in (full, fused):
+                    layer.experts.down_proj.mul_(-2.0)
+                    layer.shared_experts.up_proj.weight.add_(0.5)
+            elif change == "new_tensors":
+                gate_up = torch.randn_like(full.experts.gate_up_proj)
+                gate = torch.randn_like(full.shared_experts.gate_proj.weight)
+                for layer in (full, fused):
+                    layer.experts.gate_up_proj = torch.nn.Parameter(gate_up.clone())
+                    layer.shared_experts.gate_proj.weight = torch.nn.Parameter(gate.clone())
+            out, ref = fused(x), full(x)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * max(1.0, ref.abs().max().item()),
+                                   msg=lambda m: f"after {change}: {m}")
+
+
+def test_weight_changes_between_calls():
+    run_world(1, check_weight_changes, env=INTERPRET)
+
+
 def check_peer_never_launches(rank, world):
     from kosmos_moe.fused import ExpertLayerTimeout
 
