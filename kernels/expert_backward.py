@@ -187,14 +187,13 @@ def expert_backward_kernel(
     open_q = ALL_OPEN
     known = tl.sum(w_idx, axis=0) < 0  # false; a tensor, since it is carried by the loop
     flags = tl.zeros([W_PAD], dtype=tl.int32)
-    table = tl.zeros([W_PAD, EL_PAD], dtype=tl.int32)
-    n_el, tiles_el, tile_start_el, row_start_el, cum_dh, cum_dx, n_dh, n_dx = expert_tasks(table, BM, N_IB, N_HB)
+    n_el, tiles_el, tile_start_el, row_start_el, cum_dh, cum_dx, n_dh, n_dx = expert_tasks(
+        tl.zeros([W_PAD, EL_PAD], dtype=tl.int32), BM, N_IB, N_HB)
     while running > 0:
         t_pass = now() if PROFILE else 0
         did = 0
         if known == 0:
-            known, flags, table = poll_counts(ctl, known, flags, table, epoch, par, me, W, W_PAD, E, E_L, EL_PAD,
-                                              C_FLAG, C_TABLE, SCOPE)
+            known, flags, table = poll_counts(ctl, epoch, par, me, W, W_PAD, E, E_L, EL_PAD, C_FLAG, C_TABLE, SCOPE)
             n_el, tiles_el, tile_start_el, row_start_el, cum_dh, cum_dx, n_dh, n_dx = expert_tasks(table, BM, N_IB, N_HB)
 
         # ---- FOLD ----

@@ -208,14 +208,13 @@ def expert_forward_kernel(
     # (peers write the next call's counts into the other parity).
     known = tl.sum(w_idx, axis=0) < 0  # false; a tensor, since it is carried by the loop
     flags = tl.zeros([W_PAD], dtype=tl.int32)
-    table = tl.zeros([W_PAD, EL_PAD], dtype=tl.int32)
-    n_el, tiles_el, tile_start_el, row_start_el, cum_gu, cum_dn, n_gu, n_dn = expert_tasks(table, BM, N_IB, N_HB)
+    n_el, tiles_el, tile_start_el, row_start_el, cum_gu, cum_dn, n_gu, n_dn = expert_tasks(
+        tl.zeros([W_PAD, EL_PAD], dtype=tl.int32), BM, N_IB, N_HB)
     while running > 0:
         t_pass = now() if PROFILE else 0
         did = 0  # the kind of task this pass ran (0: none); see PROFILE_SLOTS
         if known == 0:
-            known, flags, table = poll_counts(ctl, known, flags, table, epoch, par, me, W, W_PAD, E, E_L, EL_PAD,
-                                              C_FLAG, C_TABLE, SCOPE)
+            known, flags, table = poll_counts(ctl, epoch, par, me, W, W_PAD, E, E_L, EL_PAD, C_FLAG, C_TABLE, SCOPE)
             n_el, tiles_el, tile_start_el, row_start_el, cum_gu, cum_dn, n_gu, n_dn = expert_tasks(table, BM, N_IB, N_HB)
 
         # ---- FOLD ----

@@ -80,18 +80,18 @@ def record_missing_counts(err, abort, me, task, flags, epoch, W: tl.constexpr, W
 
 
 @triton.jit
-def poll_counts(ctl, known, flags, table, epoch, par, me, W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constexpr,
+def poll_counts(ctl, epoch, par, me, W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constexpr,
                 E_L: tl.constexpr, EL_PAD: tl.constexpr, C_FLAG: tl.constexpr, C_TABLE: tl.constexpr,
                 SCOPE: tl.constexpr):
-    """One pass's look at the count exchange: ``(known, flags, table)``.
+    """One look at the count exchange: ``(known, flags, table)``, the receive table zeros until
+    every rank's counts of this call are in.
 
-    Until every rank's counts of this call are in, read the flags, and the receive table once
-    they are; after that keep both (peers write the next call's counts into the other parity).
+    A worker looks until they are, then keeps what it read (peers write the next call's counts
+    into the other parity).
     """
-    if known == 0:
-        flags, known = count_flags(ctl, epoch, W, W_PAD, C_FLAG, SCOPE)
-        tl.debug_barrier()
-        table = tl.where(known, recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE), 0)
+    flags, known = count_flags(ctl, epoch, W, W_PAD, C_FLAG, SCOPE)
+    tl.debug_barrier()
+    table = tl.where(known, recv_table(ctl, par, me, W, W_PAD, E, E_L, EL_PAD, C_TABLE), 0)
     return known, flags, table
 
 

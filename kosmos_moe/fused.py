@@ -211,7 +211,7 @@ class _PersistentLaunch:
         self._dtype = None
         self._pending: deque[tuple[torch.cuda.Event, int]] = deque()
         self._constexprs: dict[tuple, dict] = {}
-        self._descriptors: tuple[tuple, tuple] | None = None  # (weights' addresses and shapes, descriptors)
+        self._descriptors: tuple[tuple, tuple] | None = None  # (the weights' addresses, dtypes, shapes, strides; descriptors)
         self.failed: ExpertLayerTimeout | None = None
         # With profile=True (GPU only), every call adds per-task-kind nanoseconds and counts
         # here; see the kernel module's PROFILE_SLOTS.
