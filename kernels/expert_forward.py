@@ -22,8 +22,9 @@ GATE_UP   routed ``h = silu(x Wg^T) * (x Wu^T)`` for (local expert, I-block, row
           Ready when every source rank has delivered its rows of that expert. Rows from this
           rank are not copied: dispatch sends only their metadata and the tile reads them
           from the input in place.
-FEED      route tiles, then the count exchange, then dispatch chunks; taken without a readiness
-          check (these are what everything else waits for):
+FEED      route tiles, then the count exchange, then dispatch chunks (what everything else
+          waits for); route tiles and the count exchange run when taken, a dispatch chunk
+          once every rank's counts are in:
             route tile k      router GEMM + top-k for BT tokens; appends each (token, k) to the
                               send list of its expert and counts it.
             count exchange    after all route tiles: writes this rank's per-expert counts into
@@ -45,12 +46,17 @@ loads need no fence between the writers' generic proxy and the copy engine's.
 
 Claiming: tickets
 -----------------
-FOLD, DOWN, SDOWN and GATE_UP are claimed by ticket (``queues.ticket``): a worker takes the
-next task of the queue by fetch-and-add whether or not it is ready, keeps it, and runs it in
-the first pass that finds it ready; in the passes between it goes on down the queue list and
-runs whatever else is ready. A worker holds at most one ticket per queue, so tickets are taken
-in queue order, about one per worker ahead of the work. FEED and SGATE_UP are claimed by
-fetch-and-add too, and are ready by construction.
+FOLD, DOWN, SDOWN, GATE_UP and FEED are claimed by ticket (``queues.claim``): a worker takes
+the next task of the queue by fetch-and-add whether or not it is ready, keeps it, and runs it
+in the first pass that finds it ready; in the passes between it goes on down the queue list
+and runs whatever else is ready. A worker holds at most one waiting ticket per queue, so
+tickets are taken in queue order, about one per worker ahead of the work. A worker that starts
+a GATE_UP or DOWN task takes its next ticket of that queue at once, so the claim's round trip
+overlaps the tile instead of preceding the next one; while that tile runs it waits on nothing,
+so the held ticket is again the only one of that queue it will wait on. A dispatch chunk taken
+before the counts are in is held the same way (the workers that finished routing used to spin
+in it for the whole route phase; now they run shared-expert tiles meanwhile). SGATE_UP is
+claimed by fetch-and-add and is ready by construction.
 Claims by compare-and-swap on a shared head collide: every worker that read the same head
 value retries. With such claims, passes that ran nothing took 6.4 of the 14.6 ms of the
 DeepSeek-V3 one-rank forward on the H200 (132 workers; benchmarks/layer_forward.py's
@@ -59,11 +65,10 @@ profile); with tickets 0.2 ms, and the call 8.2 ms.
 Why it cannot deadlock (DESIGN.md invariant 2)
 ----------------------------------------------
 No worker ever waits on a ticket it holds: each pass it checks it and otherwise runs other
-work, so a held task waits only on its dependencies, never on its holder. The only tasks that
-spin in place are FEED tasks, and a FEED task waits only on FEED tasks that precede it in
-some rank's queue: the count exchange on this rank's route tiles (already claimed by running
-workers, which wait on nothing), a dispatch chunk on every rank's count exchange (which waits
-only on that rank's route tiles). Readiness follows the order FEED < GATE_UP < DOWN < FOLD
+work, so a held task waits only on its dependencies, never on its holder. The only task that
+spins in place is the count exchange, and it waits only on this rank's route tiles, which
+precede it in the FEED queue and so are already claimed by running workers that wait on
+nothing. A dispatch chunk waits on every rank's count exchange. Readiness follows the order FEED < GATE_UP < DOWN < FOLD
 across all ranks, a single topological order. Whatever is earliest unfinished in that order
 has its dependencies done, so it is running, held by a worker that will run it at its next
 pass, or unclaimed and claimable by the next worker with a free slot for that queue (one whose
@@ -93,7 +98,7 @@ import triton.language as tl
 
 from .profile import now
 from .queues import (
-    claim as _claim, count_flags, dispatch_chunk, expert_tasks, fold_block, locate as _locate, pick as _pick,
+    claim as _claim, dispatch_chunk, expert_tasks, fold_block, locate as _locate, pick as _pick,
     poll_counts, record_missing_counts,
 )
 from .route import router_logits, top_k_routing
@@ -200,6 +205,7 @@ def expert_forward_kernel(
     held_dn = -1
     held_sdn = -1
     held_f = -1
+    held_feed = -1  # a dispatch chunk taken before every rank's counts were in
     # Bit q set: queue q may still have unclaimed tasks. A worker clears it when it finds the
     # queue's head at its end (the task counts are fixed once the counts are known), and then
     # skips the queue: every pass of a short task would otherwise pay a round trip per queue.
@@ -253,6 +259,11 @@ def expert_forward_kernel(
                 tile = _pick(tile_start_el, el_idx, e) + m
                 if tl.atomic_add(ctl + C_GU_DONE + tile, 0, sem="acquire", scope="gpu") == N_IB:
                     tl.debug_barrier()
+                    # The next ticket, taken now: its round trip overlaps this tile (see
+                    # "Claiming" above for why holding it while running this one is safe).
+                    nxt = -1
+                    if (open_q & OPEN_DOWN) != 0:
+                        nxt = tl.atomic_add(heads + Q_DOWN, 1, sem="relaxed")
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     if TMA:
@@ -277,7 +288,10 @@ def expert_forward_kernel(
                     tl.debug_barrier()
                     arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
                     tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-                    q = -1
+                    q = nxt
+                    if nxt >= n_dn:
+                        q = -1
+                        open_q = open_q & ~OPEN_DOWN
                     did = 5
             held_dn = q
 
@@ -323,6 +337,9 @@ def expert_forward_kernel(
                                         sem="acquire", scope=SCOPE)
                 if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
                     tl.debug_barrier()
+                    nxt = -1  # the next ticket, taken now (as in DOWN)
+                    if (open_q & OPEN_GATE_UP) != 0:
+                        nxt = tl.atomic_add(heads + Q_GATE_UP, 1, sem="relaxed")
                     n_tiles_e = _pick(tiles_el, el_idx, e)
                     local = g - first
                     ib = local // n_tiles_e
@@ -353,13 +370,23 @@ def expert_forward_kernel(
                                      h_r + row0.to(tl.int64) * I, ib * BN_GU,
                                      H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
                     signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
-                    g = -1
+                    g = nxt
+                    if nxt >= n_gu:
+                        g = -1
+                        open_q = open_q & ~OPEN_GATE_UP
                     did = 4
             held_gu = g
 
         # ---- FEED: route tiles, count exchange, dispatch chunks ----
         if did == 0:
-            a, open_q = _claim(heads + Q_FEED, -1, n_feed, open_q, OPEN_FEED)
+            a, open_q = _claim(heads + Q_FEED, held_feed, n_feed, open_q, OPEN_FEED)
+            if (a > n_route) & (known == 0):
+                # A dispatch chunk before every rank's counts are in: keep the ticket and
+                # fill the wait with the shared expert's tiles below (it was a spin in place).
+                held_feed = a
+                a = -1
+            else:
+                held_feed = -1
             if a >= 0:
                 if a < n_route:
                     # Route tile: logits, top-k, and this rank's send lists.
@@ -399,22 +426,12 @@ def expert_forward_kernel(
                         for dst in tl.static_range(W):
                             tl.atomic_xchg(peer_ptr(peers_ptr, dst, (C_FLAG + me) * 4, tl.int32), epoch,
                                            sem="release", scope=SCOPE)
-                elif a < n_feed:
-                    # Dispatch chunk: wait for every rank's counts, then copy rows.
-                    polls = 0
-                    all_in = known
-                    while (all_in == 0) & (polls <= wait_bound):
-                        _, all_in = count_flags(ctl, epoch, W, W_PAD, C_FLAG, SCOPE)
-                        polls += 1
-                    if all_in == 0:
-                        fl, _ = count_flags(ctl, epoch, W, W_PAD, C_FLAG, SCOPE)
-                        record_missing_counts(err, abort, me, a, fl, epoch, W, W_PAD)
-                    else:
-                        tl.debug_barrier()
-                        dispatch_chunk(ctl, peers_ptr, me, par, a - n_route - 1, x_ptr, x_ptr, topk_w,
-                                       W, W_PAD, E, E_L, EL_PAD, O_PAD, TOP_K, T_MAX, H, BR, BH,
-                                       C_TABLE, C_SEND_LIST, C_RECV_SRC, C_RECV_ENT, C_ARRIVED,
-                                       B_RECV_X, B_RECV_X, B_RECV_W, False, False, SCOPE)
+                else:
+                    # Dispatch chunk (every rank's counts are in): copy rows.
+                    dispatch_chunk(ctl, peers_ptr, me, par, a - n_route - 1, x_ptr, x_ptr, topk_w,
+                                   W, W_PAD, E, E_L, EL_PAD, O_PAD, TOP_K, T_MAX, H, BR, BH,
+                                   C_TABLE, C_SEND_LIST, C_RECV_SRC, C_RECV_ENT, C_ARRIVED,
+                                   B_RECV_X, B_RECV_X, B_RECV_W, False, False, SCOPE)
                 did = 1 + (a > n_route) + (a > n_route + 1)  # route 1, count 2, dispatch 3
 
         # ---- SGATE_UP (shared expert): always ready, so it fills idle time ----
@@ -437,8 +454,13 @@ def expert_forward_kernel(
         # ---- Nothing taken: finished, aborted, or waiting. ----
         if did == 0:
             # A pass that ran nothing visited every queue, so open_q is current.
-            finished = (open_q == 0) & known & (held_gu < 0) & (held_dn < 0) & (held_sdn < 0) & (held_f < 0)
-            if finished:
+            finished = ((open_q == 0) & known & (held_gu < 0) & (held_dn < 0) & (held_sdn < 0) & (held_f < 0)
+                        & (held_feed < 0))
+            if tl.atomic_add(abort, 0, sem="relaxed") != 0:
+                # Checked only here: a worker that keeps finding ready work needs no look at the
+                # flag (one round trip a task), and after an abort it soon finds none.
+                running = 0
+            elif finished:
                 running = 0
             else:
                 idle += 1
@@ -471,8 +493,6 @@ def expert_forward_kernel(
         if PROFILE:
             tl.atomic_add(profile_ptr + did, now() - t_pass, sem="relaxed")
             tl.atomic_add(profile_ptr + 16 + did, 1, sem="relaxed")
-        if tl.atomic_add(abort, 0, sem="relaxed") != 0:
-            running = 0
 
     # ---- Leave; the last worker out resets the counters for the next call. ----
     tl.debug_barrier()
