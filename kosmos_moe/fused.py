@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .config import MoEConfig
+from .direct_launch import DirectLauncher
 from .fabric import EmulatedFabric, EmulatedWorld, Fabric
 from .workspace import (
     GPU_BACKWARD_TILES, GPU_TILES, INTERPRETER_BACKWARD_TILES, INTERPRETER_TILES, BackwardTiles, Tiles,
@@ -131,6 +132,9 @@ def interpreter_active() -> bool:
 
 # Inside ``_compile_together``: the warm-up compiles started so far, loaded at its end.
 _compiling: list | None = None
+# One launcher per persistent kernel: Triton's binding of its ~100 arguments costs each call
+# host time before the launch (kosmos_moe.direct_launch).
+_direct: dict = {}
 
 
 def _load(compiled) -> None:
@@ -145,7 +149,12 @@ def _run(kernel, args, kwargs, grid, warmup: bool, what: str = "") -> None:
         if log.isEnabledFor(logging.DEBUG):
             stream = torch.cuda.current_stream().stream_id if torch.cuda.is_available() else 0
             log.debug("%.6f launch %s stream %d", time.perf_counter(), what, stream)
-        kernel[grid](*args, **kwargs)
+        if interpreter_active():
+            kernel[grid](*args, **kwargs)
+        else:
+            if kernel not in _direct:
+                _direct[kernel] = DirectLauncher(kernel)
+            _direct[kernel](grid, args, kwargs)
         return
     compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
     if _compiling is not None:
