@@ -118,6 +118,7 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default") -> 
         torch.autograd.backward(full(x_all), g_all)
 
     t_ref = timed(ref_step, warmup=2, iters=6)
+    t_ref_sync = timed(ref_step, warmup=0, iters=6, queued=False)
     ref_peak = peak_above(ref_step)
     ref_saved = saved_bytes(lambda: full(x_all), full)
     # bf16 copies: fp32 copies of the DeepSeek-V3 expert gradients alone would take 45 GB.
@@ -141,6 +142,7 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default") -> 
         layer.fused().raise_if_failed()
     log(f"[{name}] fused first step (compile + run) {time.time() - t0:.1f} s")
     t_fused = timed(fused_step, warmup=1, iters=6)
+    t_fused_sync = timed(fused_step, warmup=0, iters=6, queued=False)
     fused_peak = peak_above(fused_step)
     fused_saved = sum(saved_bytes(lambda r=r: layers[r](xs[r]), full) for r in range(ranks))
     err = {
@@ -156,6 +158,8 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default") -> 
     result = {
         "case": name, "tiles": variant, "tokens_per_rank": TOKENS, "ranks": ranks, "experts": experts, **w,
         "reference_ms": t_ref * 1e3, "fused_ms": t_fused * 1e3, "speedup_vs_reference": t_ref / t_fused,
+        "reference_synchronised_call_ms": t_ref_sync * 1e3, "fused_synchronised_call_ms": t_fused_sync * 1e3,
+        "synchronised_call_speedup_vs_reference": t_ref_sync / t_fused_sync,
         "roofline_ms": roof * 1e3, "roofline_fraction": roof / t_fused,
         "reference_peak_gib": ref_peak / 2**30, "fused_peak_gib": fused_peak / 2**30,
         "fused_workspace_gib": workspace / 2**30,
@@ -163,7 +167,9 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default") -> 
         "fused_saved_bytes_per_token": fused_saved / (TOKENS * ranks),
         "max_abs_diff_vs_reference": err,
     }
-    log(f"[{name}/{variant}] fused fwd+bwd {t_fused * 1e3:.3f} ms, x{t_ref / t_fused:.2f} vs reference, "
+    log(f"[{name}/{variant}] fused fwd+bwd {t_fused * 1e3:.3f} ms, x{t_ref / t_fused:.2f} vs reference "
+        f"{t_ref * 1e3:.3f} ms (synchronised steps {t_fused_sync * 1e3:.3f} vs {t_ref_sync * 1e3:.3f} ms, "
+        f"x{t_ref_sync / t_fused_sync:.2f}), "
         f"{100 * roof / t_fused:.0f}% of roofline; peak {fused_peak / 2**30:.2f} GiB (workspaces "
         f"{workspace / 2**30:.2f} GiB, allocated once) vs {ref_peak / 2**30:.2f}; saved per token "
         f"{fused_saved / (TOKENS * ranks):.0f} B vs {ref_saved / (TOKENS * ranks):.0f} B; max diff {err}")
