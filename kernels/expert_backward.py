@@ -58,12 +58,13 @@ import triton.language as tl
 
 from .profile import now
 from .queues import (
-    claim, count_flags, dispatch_chunk, expert_tasks, fold_block, locate, pick, poll_counts, record_missing_counts,
+    claim, combine_destination, count_flags, dispatch_chunk, expert_tasks, fold_block, locate, pick, poll_counts,
+    record_missing_counts,
 )
 from .route import router_logits, routing_backward
 from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
-    WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add,
+    peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
 
@@ -130,7 +131,6 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
 ):
     DT = x_ptr.dtype.element_ty
-    ES: tl.constexpr = DT.primitive_bitwidth // 8
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
     N_IB: tl.constexpr = (I + BN_DH - 1) // BN_DH
     N_HB: tl.constexpr = (H + BN_DX - 1) // BN_DX
@@ -238,12 +238,9 @@ def expert_backward_kernel(
                         row_ok = tl.arange(0, BM) < n_rows
                         src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
                         ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-                        tok = ent // TOP_K
-                        slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-                        base = peer_base(peers_ptr, src, row_ok)
+                        dst_rows, base, tok = combine_destination(peers_ptr, src, ent, row_ok, DT, TOP_K, SLOTS, H, B_COMB)
                         cols = hb * BN_DX + tl.arange(0, BN_DX)
-                        dst = (tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H)[:, None] + cols[None, :]
-                        tl.store(dst, acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
+                        tl.store(dst_rows[:, None] + cols[None, :], acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
                         if hb == 0:
                             ib = tl.arange(0, 16)
                             dw = tl.zeros([BM], dtype=tl.float32)

@@ -36,6 +36,10 @@ FEED      route tiles, then the count exchange, then dispatch chunks (what every
                               by local expert index, the order in which receivers consume them.
 SGATE_UP  the shared expert's gate/up tiles: always ready, so they fill idle time, last.
 
+With HALF_TAIL (``Tiles.half_tail``) a GATE_UP or DOWN task on an expert's last row tile that
+holds at most BM / 2 rows runs a tile of BM / 2 rows: the tasks and their order are the same,
+only the padded rows' work goes (with HALF_TAIL off the kernel compiles as without it).
+
 Operands
 --------
 With ``TMA`` (Hopper and later, 16-byte row strides) the weight blocks of the GEMM tiles come
@@ -98,13 +102,13 @@ import triton.language as tl
 
 from .profile import now
 from .queues import (
-    claim as _claim, dispatch_chunk, expert_tasks, fold_block, locate as _locate, pick as _pick,
+    claim as _claim, combine_destination, dispatch_chunk, expert_tasks, fold_block, locate as _locate, pick as _pick,
     poll_counts, record_missing_counts,
 )
 from .route import router_logits, top_k_routing
 from .signals import (
     ERR_COMBINE, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
-    WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add,
+    peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import down_tile, down_tile_tma_w, gate_up_tile, gate_up_tile_tma
 
@@ -135,6 +139,66 @@ C_ERR = tl.constexpr(16)
 C_FIXED = tl.constexpr(32)
 
 
+@triton.jit
+def routed_gate_up_rows(
+    x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc, h_r,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr,
+    ROWS: tl.constexpr, BN_GU: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
+):
+    """A routed gate/up tile: ``n_rows <= ROWS`` received rows from ``row0`` of local expert ``e``,
+    column block ``ib``, into ``h``. Rows from this rank were never copied: they are read in place."""
+    rows = row0 + tl.arange(0, ROWS)
+    row_ok = tl.arange(0, ROWS) < n_rows
+    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+    a_rows = tl.where(src == me, x_ptr + (ent // TOP_K).to(tl.int64) * H, recv_x + rows.to(tl.int64) * H)
+    if ROWS_ALIGNED:
+        # The launcher checked that every row of both sources starts 16-byte aligned. The
+        # select between two pointers loses the alignment the compiler knew of each; without
+        # it the row loads are plain loads, not pipelined asynchronous copies, and every wgmma
+        # of the tile waits for them (benchmarks/kernel_resources.py reports the loop).
+        a_rows = tl.multiple_of(a_rows, 16)
+    if TMA:
+        gate_up_tile_tma(a_rows, n_rows, w_gate_up_desc, e * 2 * I, w_gate_up_desc, e * 2 * I + I,
+                         h_r + row0.to(tl.int64) * I, ib * BN_GU, H, I, ROWS, BN_GU, BK, DOT_DTYPE, STAGES)
+    else:
+        w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+        gate_up_tile(a_rows, n_rows, w_e, w_e + I * H, h_r + row0.to(tl.int64) * I, ib * BN_GU,
+                     H, I, ROWS, BN_GU, BK, DOT_DTYPE, STAGES)
+
+
+@triton.jit
+def routed_down_rows(
+    h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr,
+    C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr, B_COMB: tl.constexpr,
+    ROWS: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+    TMA: tl.constexpr, SCOPE: tl.constexpr,
+):
+    """A routed down tile: ``n_rows <= ROWS`` rows of ``h`` from ``row0`` (local expert ``e``),
+    column block ``hb``; each row scaled by its routing weight and stored straight into its source
+    rank's combine buffer (the combine is fused into the GEMM), then the source is signalled."""
+    DT = h_r.dtype.element_ty
+    if TMA:
+        acc = down_tile_tma_w(h_r + row0.to(tl.int64) * I, n_rows, w_down_desc, e * H, hb * BN_DN,
+                              I, ROWS, BN_DN, BK, DOT_DTYPE, STAGES)
+    else:
+        acc = down_tile(h_r + row0.to(tl.int64) * I, n_rows, w_down_ptr + e.to(tl.int64) * H * I, hb * BN_DN,
+                        I, H, ROWS, BN_DN, BK, DOT_DTYPE, STAGES)
+    rows = row0 + tl.arange(0, ROWS)
+    row_ok = tl.arange(0, ROWS) < n_rows
+    wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
+    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+    dst_rows, base, tok = combine_destination(peers_ptr, src, ent, row_ok, DT, TOP_K, SLOTS, H, B_COMB)
+    cols = hb * BN_DN + tl.arange(0, BN_DN)
+    tl.store(dst_rows[:, None] + cols[None, :], (acc * wgt[:, None]).to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
+    tl.debug_barrier()
+    arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+    tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+
+
 # Token count, rank and wait bound are not specialised, so every rank of a world and every
 # call runs one compiled kernel: loading a new module while a peer's persistent kernel spins
 # may wait for that kernel (CUDA lazy loading serialises module loads with running work).
@@ -161,14 +225,13 @@ def expert_forward_kernel(
     # Tiles.
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
     BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, HALF_TAIL: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr,
 ):
     DT = x_ptr.dtype.element_ty
-    ES: tl.constexpr = DT.primitive_bitwidth // 8
     SLOTS: tl.constexpr = TOP_K + (1 if I_S > 0 else 0)
     N_IB: tl.constexpr = (I + BN_GU - 1) // BN_GU
     N_IB_S: tl.constexpr = (I_S + BN_GU - 1) // BN_GU
@@ -266,28 +329,17 @@ def expert_forward_kernel(
                         nxt = tl.atomic_add(heads + Q_DOWN, 1, sem="relaxed")
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    if TMA:
-                        acc = down_tile_tma_w(h_r + row0.to(tl.int64) * I, n_rows, w_down_desc, e * H, hb * BN_DN,
-                                              I, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                    half = False
+                    if HALF_TAIL:
+                        half = n_rows <= BM // 2
+                    if half:
+                        routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
+                                         H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
+                                         BM // 2, BN_DN, BK, DOT_DTYPE, STAGES, TMA, SCOPE)
                     else:
-                        acc = down_tile(h_r + row0.to(tl.int64) * I, n_rows,
-                                        w_down_ptr + e.to(tl.int64) * H * I, hb * BN_DN,
-                                        I, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
-                    rows = row0 + tl.arange(0, BM)
-                    row_ok = tl.arange(0, BM) < n_rows
-                    wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
-                    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
-                    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-                    tok = ent // TOP_K
-                    slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-                    base = peer_base(peers_ptr, src, row_ok)
-                    cols = hb * BN_DN + tl.arange(0, BN_DN)
-                    dst = (tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H)[:, None] + cols[None, :]
-                    tl.store(dst, (acc * wgt[:, None]).to(DT),
-                             mask=row_ok[:, None] & (cols < H)[None, :])
-                    tl.debug_barrier()
-                    arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
-                    tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                        routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
+                                         H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
+                                         BM, BN_DN, BK, DOT_DTYPE, STAGES, TMA, SCOPE)
                     q = nxt
                     if nxt >= n_dn:
                         q = -1
@@ -346,29 +398,17 @@ def expert_forward_kernel(
                     m = local % n_tiles_e
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-                    # Rows from this rank were never copied: read them where they are.
-                    rows = row0 + tl.arange(0, BM)
-                    row_ok = tl.arange(0, BM) < n_rows
-                    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
-                    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-                    a_rows = tl.where(src == me, x_ptr + (ent // TOP_K).to(tl.int64) * H,
-                                      recv_x + rows.to(tl.int64) * H)
-                    if ROWS_ALIGNED:
-                        # The launcher checked that every row of both sources starts 16-byte
-                        # aligned. The select between two pointers loses the alignment the
-                        # compiler knew of each; without it the row loads are plain loads, not
-                        # pipelined asynchronous copies, and every wgmma of the tile waits for
-                        # them (benchmarks/kernel_resources.py reports the loop).
-                        a_rows = tl.multiple_of(a_rows, 16)
-                    if TMA:
-                        gate_up_tile_tma(a_rows, n_rows, w_gate_up_desc, e * 2 * I, w_gate_up_desc, e * 2 * I + I,
-                                         h_r + row0.to(tl.int64) * I, ib * BN_GU,
-                                         H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                    half = False
+                    if HALF_TAIL:
+                        half = n_rows <= BM // 2
+                    if half:
+                        routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
+                                            h_r, H, I, TOP_K, C_RECV_SRC, C_RECV_ENT, BM // 2, BN_GU, BK, DOT_DTYPE,
+                                            STAGES, TMA, ROWS_ALIGNED)
                     else:
-                        gate_up_tile(a_rows, n_rows, w_e, w_e + I * H,
-                                     h_r + row0.to(tl.int64) * I, ib * BN_GU,
-                                     H, I, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                        routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
+                                            h_r, H, I, TOP_K, C_RECV_SRC, C_RECV_ENT, BM, BN_GU, BK, DOT_DTYPE,
+                                            STAGES, TMA, ROWS_ALIGNED)
                     signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
                     g = nxt
                     if nxt >= n_gu:

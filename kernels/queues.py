@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .signals import ERR_COUNTS, peer_ptr, record_error, signal_add
+from .signals import ERR_COUNTS, WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add
 
 
 @triton.jit
@@ -175,6 +175,19 @@ def dispatch_chunk(
         tl.store(peer_ptr(peers_ptr, dst, B_RECV_W, tl.float32) + slot,
                  tl.load(weights_ptr + ent, mask=row_ok, other=0.0), mask=row_ok)
         signal_add(dst_ctl + C_ARRIVED + me * E_L + el, tl.sum(row_ok.to(tl.int32), axis=0), SCOPE)
+
+
+@triton.jit
+def combine_destination(peers_ptr, src, ent, row_ok, DT: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                        H: tl.constexpr, B_COMB: tl.constexpr):
+    """Where the results of received rows go: per row, a pointer to its (token, choice) row of
+    its source rank's combine buffer; and, for the arrival signal, the source's workspace base
+    (int64) and the token. ``src`` and ``ent`` are the rows' source ranks and entries."""
+    ES: tl.constexpr = DT.primitive_bitwidth // 8
+    tok = ent // TOP_K
+    slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
+    base = peer_base(peers_ptr, src, row_ok)
+    return tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H, base, tok
 
 
 @triton.jit

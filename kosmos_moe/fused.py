@@ -515,7 +515,7 @@ class FusedForward(_PersistentLaunch):
             N_GROUP=c.n_group, TOPK_GROUP=c.topk_group, G_PAD=_next_pow2(c.n_group),
             BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
             BN_GU=t.gate_up_cols, BN_DN=t.down_cols, BK=t.depth, BTF=t.fold_tokens, BHF=t.fold_cols,
-            STAGES=t.stages, TMA=tma, PROFILE=self.profile is not None,
+            STAGES=t.stages, TMA=tma, HALF_TAIL=t.half_tail, PROFILE=self.profile is not None,
             # Rows read in place from x and received rows (256-byte aligned workspace) all
             # start 16-byte aligned: the kernel may tell the compiler so.
             ROWS_ALIGNED=(t.row_alignment_hint and x.data_ptr() % 16 == 0

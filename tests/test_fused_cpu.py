@@ -41,6 +41,13 @@ CASES = {
         # the other cases read weights by TMA, as on the H200.
         tiles=replace(INTERPRETER_TILES, tma=False),
     ),
+    # Last row tiles of at most half a tile run as half-height tiles (Tiles.half_tail): 32-row
+    # tiles, experts of a few rows up to a few tiles, tails on both sides of 16.
+    "softmax_half_tail": dict(
+        shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
+        counts=[75, 9, 0, 30], workers=2,
+        tiles=replace(INTERPRETER_TILES, rows=32, half_tail=True),
+    ),
 }
 SKEWS = ("none", "one_expert", "one_rank")
 
@@ -119,7 +126,8 @@ def test_fused_matches_reference(world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_fused_skewed_routing(world):
-    items = [("softmax", "one_expert"), ("sigmoid_group_shared", "one_rank"), ("softmax_shared", "one_rank")]
+    items = [("softmax", "one_expert"), ("sigmoid_group_shared", "one_rank"), ("softmax_shared", "one_rank"),
+             ("softmax_half_tail", "one_expert")]
     run_world(world, check_cases, items, env=INTERPRET)
 
 
