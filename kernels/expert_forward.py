@@ -72,8 +72,8 @@ No worker ever waits on a ticket it holds: each pass it checks it and otherwise 
 work, so a held task waits only on its dependencies, never on its holder. The only task that
 spins in place is the count exchange, and it waits only on this rank's route tiles, which
 precede it in the FEED queue and so are already claimed by running workers that wait on
-nothing. A dispatch chunk waits on every rank's count exchange. Readiness follows the order FEED < GATE_UP < DOWN < FOLD
-across all ranks, a single topological order. Whatever is earliest unfinished in that order
+nothing. A dispatch chunk waits on every rank's count exchange. Readiness follows the order
+FEED < GATE_UP < DOWN < FOLD across all ranks, a single topological order. Whatever is earliest unfinished in that order
 has its dependencies done, so it is running, held by a worker that will run it at its next
 pass, or unclaimed and claimable by the next worker with a free slot for that queue (one whose
 ticket there has run). FOLD and SDOWN are claimed only by a worker that has found DOWN,
@@ -103,7 +103,7 @@ import triton.language as tl
 from .profile import now
 from .queues import (
     claim as _claim, combine_destination, dispatch_chunk, expert_tasks, fold_block, locate as _locate, pick as _pick,
-    poll_counts, record_missing_counts,
+    poll_counts, record_missing_counts, settle_ticket, take_ticket,
 )
 from .route import router_logits, top_k_routing
 from .signals import (
@@ -324,9 +324,7 @@ def expert_forward_kernel(
                     tl.debug_barrier()
                     # The next ticket, taken now: its round trip overlaps this tile (see
                     # "Claiming" above for why holding it while running this one is safe).
-                    nxt = -1
-                    if (open_q & OPEN_DOWN) != 0:
-                        nxt = tl.atomic_add(heads + Q_DOWN, 1, sem="relaxed")
+                    nxt = take_ticket(heads + Q_DOWN, open_q, OPEN_DOWN)
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     half = False
@@ -340,10 +338,7 @@ def expert_forward_kernel(
                         routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
                                          H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
                                          BM, BN_DN, BK, DOT_DTYPE, STAGES, TMA, SCOPE)
-                    q = nxt
-                    if nxt >= n_dn:
-                        q = -1
-                        open_q = open_q & ~OPEN_DOWN
+                    q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q
 
@@ -389,9 +384,7 @@ def expert_forward_kernel(
                                         sem="acquire", scope=SCOPE)
                 if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
                     tl.debug_barrier()
-                    nxt = -1  # the next ticket, taken now (as in DOWN)
-                    if (open_q & OPEN_GATE_UP) != 0:
-                        nxt = tl.atomic_add(heads + Q_GATE_UP, 1, sem="relaxed")
+                    nxt = take_ticket(heads + Q_GATE_UP, open_q, OPEN_GATE_UP)  # the next ticket (as in DOWN)
                     n_tiles_e = _pick(tiles_el, el_idx, e)
                     local = g - first
                     ib = local // n_tiles_e
@@ -410,10 +403,7 @@ def expert_forward_kernel(
                                             h_r, H, I, TOP_K, C_RECV_SRC, C_RECV_ENT, BM, BN_GU, BK, DOT_DTYPE,
                                             STAGES, TMA, ROWS_ALIGNED)
                     signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
-                    g = nxt
-                    if nxt >= n_gu:
-                        g = -1
-                        open_q = open_q & ~OPEN_GATE_UP
+                    g, open_q = settle_ticket(nxt, n_gu, open_q, OPEN_GATE_UP)
                     did = 4
             held_gu = g
 

@@ -513,14 +513,11 @@ class FusedForward(_PersistentLaunch):
             **self._common_constexprs(x.dtype, on_gpu),
             I_S=c.shared_intermediate_size if shared_mlp is not None else 0,
             N_GROUP=c.n_group, TOPK_GROUP=c.topk_group, G_PAD=_next_pow2(c.n_group),
-            BT=t.route_tokens, BK_R=t.route_depth, BR=t.dispatch_rows, BH=t.dispatch_cols, BM=t.rows,
-            BN_GU=t.gate_up_cols, BN_DN=t.down_cols, BK=t.depth, BTF=t.fold_tokens, BHF=t.fold_cols,
-            STAGES=t.stages, TMA=tma, HALF_TAIL=t.half_tail, PROFILE=self.profile is not None,
+            **t.kernel_constants(), TMA=tma, PROFILE=self.profile is not None,
             # Rows read in place from x and received rows (256-byte aligned workspace) all
             # start 16-byte aligned: the kernel may tell the compiler so.
             ROWS_ALIGNED=(t.row_alignment_hint and x.data_ptr() % 16 == 0
                           and c.hidden_size * x.element_size() % 16 == 0),
-            num_warps=t.warps,
         )
         return expert_forward_kernel, args, kwargs
 

@@ -37,8 +37,9 @@ class Tiles:
 
     # Route tiles of 32 tokens, 64 deep: twice the tiles of 64 tokens, so the route phase (when
     # little else is ready) is shorter, and no wgmma (M < 64), whose tf32x3 dots each waited
-    # for. H200, benchmarks/layer_forward.py, same run, fused ms 64x32 -> 32x64: qwen3_rank
-    # 3.01 -> 2.58, qwen3_full 3.90 -> 3.44, dsv3_full 10.67 -> 10.26, dsv3_rank 6.41 -> 6.37.
+    # for. H200, benchmarks/layer_forward.py, one process, 64x32 -> 32x64: per-worker busy time
+    # of qwen3_rank 2.44 -> 2.28 ms (nothing ready 0.13 -> 0.04). Its synchronised call time,
+    # 3.01 -> 2.58 ms, also holds host time that varied by 0.2-0.4 ms between processes.
     route_tokens: int = 32       # BT: tokens per route tile
     route_depth: int = 64        # BK of the fp32 router GEMM
     dispatch_rows: int = 32      # BR: rows per dispatch chunk
@@ -57,6 +58,15 @@ class Tiles:
     # padded rows of last tiles are ~6% of the routed tile work at 32 experts of ~1024 rows,
     # ~48% at 256 experts of ~128 (random routing, 4096 tokens, top-8). Off: not yet timed.
     half_tail: bool = False
+
+    def kernel_constants(self) -> dict:
+        """The forward kernel's tile constants (``num_warps`` included; ``TMA`` and the row
+        alignment hint depend on the call and are the launcher's)."""
+        return dict(
+            BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols, BM=self.rows,
+            BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth, BTF=self.fold_tokens, BHF=self.fold_cols,
+            STAGES=self.stages, HALF_TAIL=self.half_tail, num_warps=self.warps,
+        )
 
 
 GPU_TILES = Tiles()

@@ -47,8 +47,12 @@ class FakeKernel:
 
 @dataclasses.dataclass
 class FakeDescriptor:
+    """Fields as Triton's host ``TensorDescriptor`` has them."""
+
     base: torch.Tensor
     block_shape: list
+    shape: list = dataclasses.field(init=False)
+    strides: list = dataclasses.field(init=False)
 
     def __post_init__(self):
         self.shape, self.strides = list(self.base.shape), list(self.base.stride())
