@@ -31,22 +31,30 @@ from kosmos_moe.activation_memory import saved_bytes
 from kosmos_moe.fabric import EmulatedWorld
 from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES
 
-# Tile variants (--variants): (forward tiles, backward tiles) of the fused layer. The backward
-# reads its weights by plain loads: TMA weight blocks made its SwiGLU-backward and dx tiles
-# slower on the H200 (8.8 vs 8.2 and 5.1 vs 4.8 ms per worker, DeepSeek-V3 one-rank view).
-# The others change one backward tile size each; those that an offline sm_90 compile showed
-# to serialize the kernel's wgmma for lack of registers (ptxas C7512: 128 x 256 or 256 x 128
-# weight-gradient tiles, 128-column SwiGLU-backward tiles) or to need more than 227 KB of
-# shared memory (4 stages at depth 64 or 32) are left out.
+# Variants (--variants): the fused layer's options (``FusedForward``'s keyword arguments) that
+# differ from the default. The backward reads its weights by plain loads: TMA weight blocks
+# made its SwiGLU-backward and dx tiles slower on the H200 (8.8 vs 8.2 and 5.1 vs 4.8 ms per
+# worker, DeepSeek-V3 one-rank view). The tile variants change one backward tile size each;
+# those that an offline sm_90 compile showed to serialize the kernel's wgmma for lack of
+# registers (ptxas C7512: 128 x 256 or 256 x 128 weight-gradient tiles, 128-column
+# SwiGLU-backward tiles with three accumulators) or to need more than 227 KB of shared memory
+# (4 stages at depth 64 or 32) are left out. ``recompute`` keeps no gate/up projections in the
+# forward (``save_gate_up=0``): the backward redoes them.
+def _backward_tiles(**changes) -> dict:
+    return {"backward_tiles": dataclasses.replace(GPU_BACKWARD_TILES, **changes)}
+
+
 VARIANTS = {
-    "default": (GPU_TILES, GPU_BACKWARD_TILES),
-    "pointer_weights": (dataclasses.replace(GPU_TILES, tma=False), GPU_BACKWARD_TILES),
-    "strip8": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, wgrad_strip=8)),
-    "rows64": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, rows=64, swiglu_cols=128)),
-    "dx256": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, dx_cols=256, depth=32)),
-    "dx_stages3": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, dx_stages=3)),
-    "depth32": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, depth=32)),
-    "wgrad_k32_stages4": (GPU_TILES, dataclasses.replace(GPU_BACKWARD_TILES, wgrad_depth=32, stages=4)),
+    "default": {},
+    "recompute": {"save_gate_up": 0.0},
+    "saved_cols64": _backward_tiles(saved_swiglu_cols=64),
+    "pointer_weights": {"tiles": dataclasses.replace(GPU_TILES, tma=False)},
+    "strip8": _backward_tiles(wgrad_strip=8),
+    "rows64": _backward_tiles(rows=64, swiglu_cols=128),
+    "dx256": _backward_tiles(dx_cols=256, depth=32),
+    "dx_stages3": _backward_tiles(dx_stages=3),
+    "depth32": _backward_tiles(depth=32),
+    "wgrad_k32_stages4": _backward_tiles(wgrad_depth=32, stages=4),
 }
 
 
@@ -60,8 +68,7 @@ def rank_layers(full: ExpertLayer, world: EmulatedWorld, max_tokens: int, profil
         with torch.device("meta"):
             layer = ExpertLayer(*positional, **shape, backend="kosmos", fabric=world.rank(r),
                                 max_tokens_per_rank=max_tokens, dtype=torch.bfloat16,
-                                fused_options={"profile": profile, "backward": True, "tiles": VARIANTS[variant][0],
-                                               "backward_tiles": VARIANTS[variant][1]})
+                                fused_options={"profile": profile, "backward": True, **VARIANTS[variant]})
         first, last = layer.local_expert_range
         layer.gate = full.gate
         layer.shared_experts = full.shared_experts

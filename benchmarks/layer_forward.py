@@ -49,7 +49,6 @@ TILE_VARIANTS = {
     "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),
     "no_row_hint": dataclasses.replace(GPU_TILES, row_alignment_hint=False),
     "route64_depth32": dataclasses.replace(GPU_TILES, route_tokens=64, route_depth=32),
-    "half_tail": dataclasses.replace(GPU_TILES, half_tail=True),
 }
 
 

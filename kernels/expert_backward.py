@@ -1,11 +1,13 @@
 """The persistent backward kernel of the expert layer: one launch per rank, like the forward.
 
 The forward leaves each token's choice (``topk_e``) and routing weights (``topk_w``); the
-backward rebuilds the dispatch layout from them, so nothing but those ``8 K`` bytes per
-token (and the layer's input, which autograd keeps anyway) is saved between the two. With
-``g = grad_out`` and, for the row of (token t, choice k) on expert e, ``w`` its routing weight:
+backward rebuilds the dispatch layout from them. A training forward also keeps, on the expert
+rank, the gate and up projections of its received rows (``saved_ptr``, in the forward's row
+order, ``slot_ptr`` mapping (source, token, choice) to that order), up to ``save_cap`` rows;
+the SwiGLU activation is recomputed from them. With ``g = grad_out`` and, for the row of
+(token t, choice k) on expert e, ``w`` its routing weight:
 
-    y    = silu(x Wg^T) * (x Wu^T) @ Wd^T          (recomputed in pieces, never stored)
+    y    = silu(x Wg^T) * (x Wu^T) @ Wd^T          (never stored)
     dh'  = g Wd            dw_k = <g, y_k> = <dh', h>        dh = w dh'
     dg   = dh * u * silu'(a)   du = dh * silu(a)   with a = x Wg^T, u = x Wu^T
     dx   = [dg du] [Wg; Wu]     dWd = sum_rows g^T (w h)     dW[g;u] = sum_rows [dg du]^T x
@@ -21,9 +23,11 @@ DX        (local expert, H-block, row tile): ``dx = [dg du] @ [Wg; Wu]`` over de
 RBWD      route backward of BT local tokens: recomputes the fp32 router logits, takes ``dw``
           through the top-k rule to ``d logits`` (kept for DWR) and adds ``d logits @ Wr`` as
           the router's part of grad_x. Ready when every ``dw`` of its tokens has arrived.
-DH        (local expert, I-block, row tile): one pass over H computes ``dh'``, and recomputes
-          the gate and up projections; the epilogue writes ``w h``, ``[dg du]`` and the row's
-          partial ``dw``. Ready when every source has delivered that expert's rows.
+DH        (local expert, I-block, row tile): one pass over H computes ``dh'``; the gate and
+          up projections are read where the forward kept them, or, for a tile with a row it
+          did not keep, recomputed in the same pass (three accumulators). The epilogue writes
+          ``w h``, ``[dg du]`` and the row's partial ``dw``. Ready when every source has
+          delivered that expert's rows.
 FEED      claimed without a readiness check, in order: layout tiles (histogram of the
           choices of BT tokens per expert), the count exchange (tile prefix sums, counts to
           every peer), send-list tiles (each (token, k) at its token-ordered place in its
@@ -66,7 +70,7 @@ from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
     peer_ptr, record_error, signal_add,
 )
-from .tile_gemm import row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
+from .tile_gemm import row_reduction_strip, rows_times_weight_tile, saved_swiglu_backward_tile, swiglu_backward_tile
 
 PROFILE_SLOTS = ("idle", "layout", "count_exchange", "dispatch", "swiglu_backward", "dx",
                  "route_backward", "fold", "weight_grad", "router_weight_grad")
@@ -83,6 +87,13 @@ Q_DWR = tl.constexpr(7)
 OPEN_FEED, OPEN_DH, OPEN_DX, OPEN_RBWD, OPEN_FOLD, OPEN_DWGU, OPEN_DWD, OPEN_DWR = (
     tl.constexpr(1 << q.value) for q in (Q_FEED, Q_DH, Q_DX, Q_RBWD, Q_FOLD, Q_DWGU, Q_DWD, Q_DWR))
 ALL_OPEN = tl.constexpr(OPEN_FEED | OPEN_DH | OPEN_DX | OPEN_RBWD | OPEN_FOLD | OPEN_DWGU | OPEN_DWD | OPEN_DWR)
+
+# What the forward kept for the SwiGLU backward (``SAVED``): nothing (every DH tile redoes
+# the gate and up projections), some rows (those below ``save_cap`` in the forward's row
+# order; a tile with any other row redoes them), or every row.
+SAVED_NONE = tl.constexpr(0)
+SAVED_SOME = tl.constexpr(1)
+SAVED_ALL = tl.constexpr(2)
 
 C_EPOCH = tl.constexpr(0)
 C_EXIT = tl.constexpr(1)
@@ -106,9 +117,9 @@ def _wait_at_least(ptr, target, wait_bound, SCOPE: tl.constexpr):
     return seen
 
 
-@triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound"])
+@triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap"])
 def expert_backward_kernel(
-    x_ptr, g_ptr, dx_ptr, topk_e_ptr, topk_w_ptr, n_tokens,
+    x_ptr, g_ptr, dx_ptr, topk_e_ptr, topk_w_ptr, n_tokens, saved_ptr, slot_ptr, save_cap,
     router_w_ptr, scale, w_gate_up_ptr, w_down_ptr,
     d_router_ptr, d_gate_up_ptr, d_down_ptr,
     peers_ptr, me, wait_bound, profile_ptr,
@@ -129,6 +140,7 @@ def expert_backward_kernel(
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
+    SAVED: tl.constexpr = 0,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -320,28 +332,41 @@ def expert_backward_kernel(
                         n_rows = tl.minimum(n_rows_e - m * BM, BM)
                         rows = row0 + tl.arange(0, BM)
                         row_ok = tl.arange(0, BM) < n_rows
-                        x_rows = recv_x + rows.to(tl.int64) * H
-                        g_rows = recv_g + rows.to(tl.int64) * H
-                        w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-                        dh1, a, u = swiglu_backward_tile(x_rows, g_rows, n_rows, w_e, w_e + I * H,
-                                                         w_down_ptr + e.to(tl.int64) * H * I, ib * BN_DH,
-                                                         H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
+                        w_dn = w_down_ptr + e.to(tl.int64) * H * I
+                        # Rows the forward kept the gate and up projections of need one GEMM here.
+                        in_place = SAVED == SAVED_ALL
+                        fwd = rows
+                        if SAVED != SAVED_NONE:
+                            src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+                            ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+                            fwd = tl.load(slot_ptr + src.to(tl.int64) * (T_MAX * TOP_K) + ent, mask=row_ok, other=0)
+                        if SAVED == SAVED_SOME:
+                            in_place = (tl.max(tl.where(row_ok, fwd, 0), axis=0) < save_cap) & (save_cap > 0)
+                        if in_place:
+                            dh1, a, u = saved_swiglu_backward_tile(recv_g + row0.to(tl.int64) * H, n_rows, w_dn,
+                                                                   saved_ptr + fwd.to(tl.int64) * (2 * I), ib * BN_DH,
+                                                                   H, I, BM, BN_DH, BK, DOT_DTYPE, DX_STAGES)
+                        else:
+                            w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+                            dh1, a, u = swiglu_backward_tile(recv_x + rows.to(tl.int64) * H,
+                                                             recv_g + rows.to(tl.int64) * H, n_rows,
+                                                             w_e, w_e + I * H, w_dn, ib * BN_DH,
+                                                             H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
                         wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
+                        cols = ib * BN_DH + tl.arange(0, BN_DH)
+                        m2 = row_ok[:, None] & (cols < I)[None, :]
+                        r64 = rows.to(tl.int64)[:, None]
+                        # Each value stored as soon as it is made: fewer whole tiles live at once.
                         sig = tl.sigmoid(a)
                         silu = a * sig
                         h = silu * u
-                        cols = ib * BN_DH + tl.arange(0, BN_DH)
-                        col_ok = cols < I
-                        m2 = row_ok[:, None] & col_ok[None, :]
+                        tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
                         part = tl.sum(tl.where(m2, dh1 * h, 0.0), axis=1)
                         tl.store(dw_part + rows.to(tl.int64) * N_IB + ib, part, mask=row_ok)
                         dh = dh1 * wgt[:, None]
-                        d_a = dh * u * (sig + silu * (1.0 - sig))
-                        d_u = dh * silu
-                        r64 = rows.to(tl.int64)[:, None]
-                        tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
-                        tl.store(dgu + r64 * (2 * I) + cols[None, :], d_a.to(DT), mask=m2)
-                        tl.store(dgu + r64 * (2 * I) + I + cols[None, :], d_u.to(DT), mask=m2)
+                        tl.store(dgu + r64 * (2 * I) + I + cols[None, :], (dh * silu).to(DT), mask=m2)
+                        tl.store(dgu + r64 * (2 * I) + cols[None, :], (dh * u * (sig + silu * (1.0 - sig))).to(DT),
+                                 mask=m2)
                         tl.debug_barrier()
                         tl.atomic_add(ctl + C_DH_DONE + pick(tile_start_el, el_idx, e) + m, 1, sem="release", scope="gpu")
                         tl.atomic_add(ctl + C_DH_EXP + e, 1, sem="release", scope="gpu")

@@ -21,7 +21,8 @@ SDOWN     the shared expert's down projection, same shape, into the local combin
 GATE_UP   routed ``h = silu(x Wg^T) * (x Wu^T)`` for (local expert, I-block, row tile).
           Ready when every source rank has delivered its rows of that expert. Rows from this
           rank are not copied: dispatch sends only their metadata and the tile reads them
-          from the input in place.
+          from the input in place. A training call also keeps the gate and up projections
+          for the backward (``routed_gate_up_rows``), which then needs no GEMM to redo them.
 FEED      route tiles, then the count exchange, then dispatch chunks (what everything else
           waits for); route tiles and the count exchange run when taken, a dispatch chunk
           once every rank's counts are in:
@@ -35,10 +36,6 @@ FEED      route tiles, then the count exchange, then dispatch chunks (what every
                               arrival counter of (this source, that expert). Chunks are ordered
                               by local expert index, the order in which receivers consume them.
 SGATE_UP  the shared expert's gate/up tiles: always ready, so they fill idle time, last.
-
-With HALF_TAIL (``Tiles.half_tail``) a GATE_UP or DOWN task on an expert's last row tile that
-holds at most BM / 2 rows runs a tile of BM / 2 rows: the tasks and their order are the same,
-only the padded rows' work goes (with HALF_TAIL off the kernel compiles as without it).
 
 Operands
 --------
@@ -110,7 +107,7 @@ from .signals import (
     ERR_COMBINE, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
     peer_ptr, record_error, signal_add,
 )
-from .tile_gemm import down_tile, down_tile_tma_w, gate_up_tile, gate_up_tile_tma
+from .tile_gemm import down_tile, down_tile_tma_w, gate_up_acc, gate_up_acc_tma, gate_up_tile, gate_up_tile_tma, store_swiglu
 
 # With PROFILE, every pass of a worker adds its nanoseconds to int64 slot ``kind`` of
 # ``profile_ptr`` and one to slot ``16 + kind``. Slot 0 is passes that found nothing ready.
@@ -141,13 +138,20 @@ C_FIXED = tl.constexpr(32)
 
 @triton.jit
 def routed_gate_up_rows(
-    x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc, h_r,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr,
+    x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc, h_r, saved_ptr, slot_ptr, save_cap,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, T_MAX: tl.constexpr,
+    C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr,
     ROWS: tl.constexpr, BN_GU: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
     TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
 ):
     """A routed gate/up tile: ``n_rows <= ROWS`` received rows from ``row0`` of local expert ``e``,
-    column block ``ib``, into ``h``. Rows from this rank were never copied: they are read in place."""
+    column block ``ib``, into ``h``. Rows from this rank were never copied: they are read in place.
+
+    For a training call (``save_cap > 0``) the tile also keeps the gate and up projections of
+    received rows below ``save_cap`` for the backward (``saved_ptr``, ``2 I`` wide), and the
+    column-block-0 tile records each row's place under its (source, token, choice) in
+    ``slot_ptr``: the backward lays its rows out in its own order and finds them there.
+    """
     rows = row0 + tl.arange(0, ROWS)
     row_ok = tl.arange(0, ROWS) < n_rows
     src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
@@ -160,12 +164,21 @@ def routed_gate_up_rows(
         # of the tile waits for them (benchmarks/kernel_resources.py reports the loop).
         a_rows = tl.multiple_of(a_rows, 16)
     if TMA:
-        gate_up_tile_tma(a_rows, n_rows, w_gate_up_desc, e * 2 * I, w_gate_up_desc, e * 2 * I + I,
-                         h_r + row0.to(tl.int64) * I, ib * BN_GU, H, I, ROWS, BN_GU, BK, DOT_DTYPE, STAGES)
+        acc_g, acc_u = gate_up_acc_tma(a_rows, n_rows, w_gate_up_desc, e * 2 * I, w_gate_up_desc, e * 2 * I + I,
+                                       ib * BN_GU, H, ROWS, BN_GU, BK, DOT_DTYPE, STAGES)
     else:
         w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-        gate_up_tile(a_rows, n_rows, w_e, w_e + I * H, h_r + row0.to(tl.int64) * I, ib * BN_GU,
-                     H, I, ROWS, BN_GU, BK, DOT_DTYPE, STAGES)
+        acc_g, acc_u = gate_up_acc(a_rows, n_rows, w_e, w_e + I * H, ib * BN_GU, H, I, ROWS, BN_GU, BK,
+                                   DOT_DTYPE, STAGES)
+    cols = ib * BN_GU + tl.arange(0, BN_GU)
+    store_swiglu(acc_g, acc_u, h_r + row0.to(tl.int64) * I, tl.arange(0, ROWS), cols, row_ok, I)
+    if save_cap > 0:
+        keep = (row_ok & (rows < save_cap))[:, None] & (cols < I)[None, :]
+        at = saved_ptr + rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
+        tl.store(at, acc_g.to(saved_ptr.dtype.element_ty), mask=keep)
+        tl.store(at + I, acc_u.to(saved_ptr.dtype.element_ty), mask=keep)
+        if ib == 0:
+            tl.store(slot_ptr + src.to(tl.int64) * (T_MAX * TOP_K) + ent, rows, mask=row_ok)
 
 
 @triton.jit
@@ -199,12 +212,12 @@ def routed_down_rows(
     tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
 
 
-# Token count, rank and wait bound are not specialised, so every rank of a world and every
-# call runs one compiled kernel: loading a new module while a peer's persistent kernel spins
+# Token count, rank, wait bound and saved rows are not specialised, so every rank of a world
+# and every call, training or not, runs one compiled kernel: loading a new module while a peer's persistent kernel spins
 # may wait for that kernel (CUDA lazy loading serialises module loads with running work).
-@triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound"])
+@triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap"])
 def expert_forward_kernel(
-    x_ptr, out_ptr, n_tokens,
+    x_ptr, out_ptr, n_tokens, saved_ptr, slot_ptr, save_cap,
     router_w_ptr, bias_ptr, scale,
     w_gate_up_ptr, w_down_ptr, s_gate_ptr, s_up_ptr, s_down_ptr,
     w_gate_up_desc, w_down_desc, s_gate_desc, s_up_desc, s_down_desc,
@@ -225,7 +238,7 @@ def expert_forward_kernel(
     # Tiles.
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
     BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, HALF_TAIL: tl.constexpr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -327,17 +340,9 @@ def expert_forward_kernel(
                     nxt = take_ticket(heads + Q_DOWN, open_q, OPEN_DOWN)
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    half = False
-                    if HALF_TAIL:
-                        half = n_rows <= BM // 2
-                    if half:
-                        routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
-                                         H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
-                                         BM // 2, BN_DN, BK, DOT_DTYPE, STAGES, TMA, SCOPE)
-                    else:
-                        routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
-                                         H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
-                                         BM, BN_DN, BK, DOT_DTYPE, STAGES, TMA, SCOPE)
+                    routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
+                                     H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
+                                     BM, BN_DN, BK, DOT_DTYPE, STAGES, TMA, SCOPE)
                     q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q
@@ -391,17 +396,9 @@ def expert_forward_kernel(
                     m = local % n_tiles_e
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    half = False
-                    if HALF_TAIL:
-                        half = n_rows <= BM // 2
-                    if half:
-                        routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
-                                            h_r, H, I, TOP_K, C_RECV_SRC, C_RECV_ENT, BM // 2, BN_GU, BK, DOT_DTYPE,
-                                            STAGES, TMA, ROWS_ALIGNED)
-                    else:
-                        routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
-                                            h_r, H, I, TOP_K, C_RECV_SRC, C_RECV_ENT, BM, BN_GU, BK, DOT_DTYPE,
-                                            STAGES, TMA, ROWS_ALIGNED)
+                    routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
+                                        h_r, saved_ptr, slot_ptr, save_cap, H, I, TOP_K, T_MAX, C_RECV_SRC, C_RECV_ENT,
+                                        BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA, ROWS_ALIGNED)
                     signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
                     g, open_q = settle_ticket(nxt, n_gu, open_q, OPEN_GATE_UP)
                     did = 4

@@ -21,13 +21,13 @@ def store_swiglu(acc_g, acc_u, h_ptr, rows, cols, row_ok, N_DIM: tl.constexpr):
 
 
 @triton.jit
-def gate_up_tile(
-    a_rows, n_rows, w_gate_ptr, w_up_ptr, h_ptr, n0,
+def gate_up_acc(
+    a_rows, n_rows, w_gate_ptr, w_up_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """``h[:n_rows, n0:n0+BN] = silu(a @ Wg^T) * (a @ Wu^T)``; ``a_rows`` points at each row of ``a``.
+    """Return the fp32 tiles ``(a @ Wg[n0:n0+BN]^T, a @ Wu[n0:n0+BN]^T)``; ``a_rows`` points at each row of ``a``.
 
     The rows of ``a`` are gathered (a ``[BM]`` vector of row pointers), so a tile can read
     received rows and rows still in the caller's input alike.
@@ -50,7 +50,20 @@ def gate_up_tile(
         a = a.to(DOT_DTYPE)
         acc_g = tl.dot(a, bg.to(DOT_DTYPE), acc_g)
         acc_u = tl.dot(a, bu.to(DOT_DTYPE), acc_u)
-    store_swiglu(acc_g, acc_u, h_ptr, rows, cols, row_ok, N_DIM)
+    return acc_g, acc_u
+
+
+@triton.jit
+def gate_up_tile(
+    a_rows, n_rows, w_gate_ptr, w_up_ptr, h_ptr, n0,
+    K_DIM: tl.constexpr, N_DIM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``h[:n_rows, n0:n0+BN] = silu(a @ Wg^T) * (a @ Wu^T)`` (``gate_up_acc`` and its epilogue)."""
+    acc_g, acc_u = gate_up_acc(a_rows, n_rows, w_gate_ptr, w_up_ptr, n0, K_DIM, N_DIM, BM, BN, BK, DOT_DTYPE, STAGES)
+    rows = tl.arange(0, BM)
+    store_swiglu(acc_g, acc_u, h_ptr, rows, n0 + tl.arange(0, BN), rows < n_rows, N_DIM)
 
 
 @triton.jit
@@ -119,6 +132,25 @@ def swiglu_backward_tile(
 
 
 @triton.jit
+def saved_swiglu_backward_tile(
+    g_ptr, n_rows, w_down_ptr, saved_rows, n0,
+    H: tl.constexpr, I: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``swiglu_backward_tile`` when the forward kept the gate and up projections: ``g @ Wd[:, n0:n0+BN]``
+    is the only GEMM, and the gate and up tiles are read from ``saved_rows`` (one pointer per
+    row to ``[gate | up]``, ``2 I`` wide). ``g_ptr`` points at the first of ``n_rows`` contiguous rows."""
+    dh = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES)
+    cols = n0 + tl.arange(0, BN)
+    ok = (tl.arange(0, BM) < n_rows)[:, None] & (cols < I)[None, :]
+    at = saved_rows[:, None] + cols[None, :]
+    a = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(at + I, mask=ok, other=0.0).to(tl.float32)
+    return dh, a, u
+
+
+@triton.jit
 def rows_times_weight_tile(
     a_ptr, n_rows, w_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
@@ -151,15 +183,14 @@ def rows_times_weight_tile(
 
 
 @triton.jit
-def gate_up_tile_tma(
-    a_rows, n_rows, g_desc, g_row0, u_desc, u_row0, h_ptr, n0,
-    K_DIM: tl.constexpr, N_DIM: tl.constexpr,
+def gate_up_acc_tma(
+    a_rows, n_rows, g_desc, g_row0, u_desc, u_row0, n0,
+    K_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
 ):
-    """``gate_up_tile`` with the gate and up weight blocks at rows ``g_row0 + n0`` of ``g_desc`` and ``u_row0 + n0`` of ``u_desc``."""
+    """``gate_up_acc`` with the gate and up weight blocks at rows ``g_row0 + n0`` of ``g_desc`` and ``u_row0 + n0`` of ``u_desc``."""
     rows = tl.arange(0, BM)
-    cols = n0 + tl.arange(0, BN)
     ks = tl.arange(0, BK)
     row_ok = rows < n_rows
     a_rows = a_rows[:, None]
@@ -172,7 +203,21 @@ def gate_up_tile_tma(
         a = a.to(DOT_DTYPE)
         acc_g = tl.dot(a, bg.to(DOT_DTYPE).T, acc_g)
         acc_u = tl.dot(a, bu.to(DOT_DTYPE).T, acc_u)
-    store_swiglu(acc_g, acc_u, h_ptr, rows, cols, row_ok, N_DIM)
+    return acc_g, acc_u
+
+
+@triton.jit
+def gate_up_tile_tma(
+    a_rows, n_rows, g_desc, g_row0, u_desc, u_row0, h_ptr, n0,
+    K_DIM: tl.constexpr, N_DIM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``gate_up_tile`` with the weight blocks by TMA (``gate_up_acc_tma`` and its epilogue)."""
+    acc_g, acc_u = gate_up_acc_tma(a_rows, n_rows, g_desc, g_row0, u_desc, u_row0, n0, K_DIM, BM, BN, BK,
+                                   DOT_DTYPE, STAGES)
+    rows = tl.arange(0, BM)
+    store_swiglu(acc_g, acc_u, h_ptr, rows, n0 + tl.arange(0, BN), rows < n_rows, N_DIM)
 
 
 @triton.jit

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import os
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -88,6 +91,35 @@ def weight_descriptors(experts: nn.Module, shared_mlp: nn.Module | None, tiles: 
     return (w_gu, w_dn, TensorDescriptor.from_tensor(shared_mlp.gate_proj.weight.detach(), gu_block),
             TensorDescriptor.from_tensor(shared_mlp.up_proj.weight.detach(), gu_block),
             TensorDescriptor.from_tensor(shared_mlp.down_proj.weight.detach(), dn_block))
+
+
+# What a training forward keeps of the gate and up projections (the backward kernel's SAVED):
+# nothing, the rows below a cap in the forward's row order, or every row.
+SAVED_NONE, SAVED_SOME, SAVED_ALL = 0, 1, 2
+
+
+def saved_mode(save_gate_up: float, world: int) -> int:
+    """The backward's ``SAVED`` mode: with one rank, a cap of ``T K`` rows holds every received row."""
+    if save_gate_up == 0:
+        return SAVED_NONE
+    return SAVED_ALL if world == 1 else SAVED_SOME
+
+
+@dataclass
+class SavedGateUp:
+    """The gate and up projections a training forward keeps for its backward, on the expert rank.
+
+    ``values`` ``[rows, 2I]`` holds ``[x Wg^T | x Wu^T]`` of the first ``rows`` received rows in
+    the forward's row order (the activation dtype); ``slots`` maps each (source rank, token,
+    choice) to its row in that order, so the backward, which lays rows out in token order,
+    finds them. With one rank every row is kept (``T K`` rows); with several, the rank may
+    receive up to ``W T min(K, E/W)`` rows, so only ``save_gate_up * T K`` are kept and the
+    backward recomputes the projections of row tiles holding any other.
+    """
+
+    values: torch.Tensor
+    slots: torch.Tensor
+    rows: int
 
 
 class _HostRecords:
@@ -383,15 +415,20 @@ class FusedForward(_PersistentLaunch):
         profile: bool = False,
         backward: bool = False,
         backward_tiles: BackwardTiles | None = None,
+        save_gate_up: float = 1.25,
     ) -> None:
         on_gpu = fabric.device.type == "cuda"
         super().__init__(config, fabric, max_tokens, workers, tiles or (GPU_TILES if on_gpu else INTERPRETER_TILES),
                          wait_bound, profile)
         from kosmos_moe.kernels.expert_forward import PROFILE_SLOTS
 
+        if not save_gate_up >= 0:
+            raise ValueError(f"save_gate_up must be >= 0 (0 keeps nothing), got {save_gate_up}")
         self.profile_slots = PROFILE_SLOTS
         self._warm = False
-        self.backward = FusedBackward(config, fabric, max_tokens, workers, backward_tiles, wait_bound, profile)
+        self.save_gate_up = save_gate_up
+        self.backward = FusedBackward(config, fabric, max_tokens, workers, backward_tiles, wait_bound, profile,
+                                      saved=saved_mode(save_gate_up, fabric.world_size))
         self.backward_at_prepare = backward
 
     def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:
@@ -408,8 +445,8 @@ class FusedForward(_PersistentLaunch):
         """Run the layer's forward on ``tokens`` ``[T, H]``; return the output and top-k ids.
 
         The shared experts, if the layer has them, are part of the launch. With
-        ``keep_routing`` it also returns copies of the int32 choices and fp32
-        weights ``[T, K]`` that the backward needs.
+        ``keep_routing`` it also returns what the backward needs: copies of the int32 choices
+        and fp32 weights ``[T, K]``, and the kept gate/up projections (:class:`SavedGateUp`).
         """
         self.raise_if_failed(block=False)
         self._check_tokens(tokens)
@@ -426,7 +463,8 @@ class FusedForward(_PersistentLaunch):
                 self._warm_up(tokens if n > 0 else out, out, layer, with_backward)
                 # Ranks compile at their own pace; their first launches start together.
                 self.fabric.barrier()
-        self._launch(tokens if n > 0 else out, out, n, layer, warmup=False)
+        saved = self._saved_gate_up(n, tokens.dtype) if keep_routing else None
+        self._launch(tokens if n > 0 else out, out, n, layer, warmup=False, saved=saved)
         lay, c = self.layout, self.config
         top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * c.top_k].view(n, c.top_k)
         self._watch()
@@ -434,7 +472,22 @@ class FusedForward(_PersistentLaunch):
             return out[:n], top_e.long()
         w0 = lay.bytes["topk_w"]
         top_w = self.workspace.local[w0: w0 + 4 * n * c.top_k].view(torch.float32).view(n, c.top_k)
-        return out[:n], top_e.long(), top_e.clone(), top_w.clone()
+        return out[:n], top_e.long(), top_e.clone(), top_w.clone(), saved
+
+    def _saved_gate_up(self, n: int, dtype: torch.dtype) -> SavedGateUp:
+        """Buffers for the gate/up projections a training call keeps (see :class:`SavedGateUp`)."""
+        c, world = self.config, self.fabric.world_size
+        if self.backward.saved == SAVED_NONE:
+            rows = 0
+        elif world == 1:
+            rows = n * c.top_k  # every row this rank receives
+        else:
+            rows = min(self.layout.recv_rows, math.ceil(self.save_gate_up * n * c.top_k))
+        device = self.fabric.device
+        values = torch.empty(max(rows, 1), 2 * c.moe_intermediate_size, dtype=dtype, device=device)
+        # Indexed by (source rank, token, choice); with one rank every source token is this rank's.
+        slots = 0 if rows == 0 else (n if world == 1 else self.max_tokens) * world * c.top_k
+        return SavedGateUp(values, torch.empty(max(slots, 1), dtype=torch.int32, device=device), rows)
 
     def _warm_up(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module, with_backward: bool) -> None:
         """Compile and load every kernel variant this layer may launch, before launching any.
@@ -469,8 +522,8 @@ class FusedForward(_PersistentLaunch):
             choices.float().to(dtype)  # the router gradient, accumulated in fp32, cast to the weight's dtype
             importlib.import_module("torch.fx.experimental.symbolic_shapes")  # autograd's _make_grads imports it lazily
 
-    def _launch(self, x, out, n, layer, warmup: bool) -> None:
-        _run(*self.kernel_call(x, out, n, layer), grid=(self.workers,), warmup=warmup,
+    def _launch(self, x, out, n, layer, warmup: bool, saved: SavedGateUp | None = None) -> None:
+        _run(*self.kernel_call(x, out, n, layer, saved=saved), grid=(self.workers,), warmup=warmup,
              what=f"forward rank {self.fabric.rank} tokens {n} shared {layer.shared_experts is not None}")
 
     def _weight_descriptors(self, experts: nn.Module, shared_mlp: nn.Module | None) -> tuple:
@@ -484,9 +537,10 @@ class FusedForward(_PersistentLaunch):
             self._descriptors = (key, weight_descriptors(experts, shared_mlp, self.tiles))
         return self._descriptors[1]
 
-    def kernel_call(self, x, out, n, layer, on_gpu: bool | None = None) -> tuple:
+    def kernel_call(self, x, out, n, layer, on_gpu: bool | None = None, saved: SavedGateUp | None = None) -> tuple:
         """``(kernel, args, constants)`` of the launch for ``n`` tokens; ``on_gpu`` overrides the
-        fabric's device in the compile-time choices (benchmarks/kernel_resources.py)."""
+        fabric's device in the compile-time choices (benchmarks/kernel_resources.py); ``saved``
+        receives the gate/up projections of a training call."""
         from kosmos_moe.kernels.expert_forward import expert_forward_kernel
 
         c, t = self.config, self.tiles
@@ -501,8 +555,10 @@ class FusedForward(_PersistentLaunch):
             shared_mlp.up_proj.weight if shared_mlp is not None else dummy,
             shared_mlp.down_proj.weight if shared_mlp is not None else dummy,
         )
+        # Without saving, typed stand-ins: the same compiled kernel serves both kinds of call.
+        kept = (saved.values, saved.slots, saved.rows) if saved is not None else (out, self._words, 0)
         args = (
-            x, out, n,
+            x, out, n, *kept,
             gate.weight, bias if bias is not None else dummy, float(c.routed_scaling_factor),
             *weights,
             *(self._weight_descriptors(experts, shared_mlp) if tma else weights),
@@ -537,13 +593,18 @@ class FusedBackward(_PersistentLaunch):
 
     direction = "backward"
 
-    def __init__(self, config, fabric, max_tokens, workers=None, tiles=None, wait_bound=None, profile=False) -> None:
+    def __init__(self, config, fabric, max_tokens, workers=None, tiles=None, wait_bound=None, profile=False,
+                 saved: int = SAVED_NONE) -> None:
         on_gpu = fabric.device.type == "cuda"
-        super().__init__(config, fabric, max_tokens, workers,
-                         tiles or (GPU_BACKWARD_TILES if on_gpu else INTERPRETER_BACKWARD_TILES), wait_bound, profile)
+        tiles = tiles or (GPU_BACKWARD_TILES if on_gpu else INTERPRETER_BACKWARD_TILES)
+        if saved == SAVED_ALL:
+            # Every SwiGLU-backward tile has one accumulator: wider tiles.
+            tiles = dataclasses.replace(tiles, swiglu_cols=tiles.saved_swiglu_cols)
+        super().__init__(config, fabric, max_tokens, workers, tiles, wait_bound, profile)
         from kosmos_moe.kernels.expert_backward import PROFILE_SLOTS
 
         self.profile_slots = PROFILE_SLOTS
+        self.saved = saved
         self.warm = False  # compiled and loaded for this layer (warm_up)
 
     def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:
@@ -551,7 +612,7 @@ class FusedBackward(_PersistentLaunch):
 
     def __call__(
         self, tokens: torch.Tensor, grad_out: torch.Tensor, top_e: torch.Tensor, top_w: torch.Tensor,
-        router_weight: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+        saved: SavedGateUp, router_weight: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``(grad_x, grad_router_weight (fp32), grad_gate_up_proj, grad_down_proj)``."""
         self.raise_if_failed(block=False)
@@ -571,7 +632,7 @@ class FusedBackward(_PersistentLaunch):
             tokens, grad_out = dx, dx
             top_e = torch.zeros(1, c.top_k, dtype=torch.int32, device=dx.device)
             top_w = torch.zeros(1, c.top_k, dtype=torch.float32, device=dx.device)
-        self._launch(tokens, grad_out, dx, top_e, top_w, n, router_weight, gate_up_proj, down_proj,
+        self._launch(tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                      d_router, d_gate_up, d_down, warmup=False)
         self._watch()
         return dx[:n], d_router, d_gate_up, d_down
@@ -588,22 +649,23 @@ class FusedBackward(_PersistentLaunch):
         w = layer.gate.weight
         gu, dn = layer.experts.gate_up_proj, layer.experts.down_proj
         d_router = torch.empty(w.shape, dtype=torch.float32, device=x.device)
-        self._launch(x, x, x, top_e, top_w, 0, w, gu, dn, d_router, gu, dn, warmup=True)
+        saved = SavedGateUp(x, top_e.view(-1), 0)
+        self._launch(x, x, x, top_e, top_w, 0, saved, w, gu, dn, d_router, gu, dn, warmup=True)
 
-    def _launch(self, tokens, grad_out, dx, top_e, top_w, n, router_weight, gate_up_proj, down_proj,
+    def _launch(self, tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                 d_router, d_gate_up, d_down, warmup: bool) -> None:
-        call = self.kernel_call(tokens, grad_out, dx, top_e, top_w, n, router_weight, gate_up_proj, down_proj,
+        call = self.kernel_call(tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                                 d_router, d_gate_up, d_down)
         _run(*call, grid=(self.workers,), warmup=warmup, what=f"backward rank {self.fabric.rank} tokens {n}")
 
-    def kernel_call(self, tokens, grad_out, dx, top_e, top_w, n, router_weight, gate_up_proj, down_proj,
+    def kernel_call(self, tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                     d_router, d_gate_up, d_down, on_gpu: bool | None = None) -> tuple:
         """``(kernel, args, constants)`` of the launch (see FusedForward.kernel_call)."""
         from kosmos_moe.kernels.expert_backward import expert_backward_kernel
 
         c, t = self.config, self.tiles
         args = (
-            tokens, grad_out, dx, top_e, top_w, n,
+            tokens, grad_out, dx, top_e, top_w, n, saved.values, saved.slots, saved.rows,
             router_weight, float(c.routed_scaling_factor), gate_up_proj, down_proj,
             d_router, d_gate_up, d_down,
             self.workspace.peers, self.fabric.rank, self.wait_bound,
@@ -611,7 +673,7 @@ class FusedBackward(_PersistentLaunch):
         )
         kwargs = dict(
             **self._common_constexprs(tokens.dtype, on_gpu), **t.kernel_constants(),
-            PROFILE=self.profile is not None,
+            PROFILE=self.profile is not None, SAVED=self.saved,
         )
         return expert_backward_kernel, args, kwargs
 
@@ -629,9 +691,11 @@ class FusedExpertsFunction(torch.autograd.Function):
     queued before the backward launch or after the forward launch (EmulatedWorld's docs).
 
     Saved between the two: the input (which autograd keeps for the caller anyway), the
-    forward's int32 choices and fp32 routing weights (``8 K`` bytes per token) and the weights
-    themselves (no copies). Nothing of the shared experts' activations: the recompute costs
-    one more shared-expert forward per step.
+    forward's int32 choices and fp32 routing weights (``8 K`` bytes per token), the gate and up
+    projections of the routed rows (:class:`SavedGateUp`: ``2I`` values per row, and an int32
+    slot per (source, token, choice)) and the weights themselves (no copies). The SwiGLU
+    activation is recomputed from the projections. Nothing of the shared experts' activations:
+    the recompute costs one more shared-expert forward per step.
     """
 
     # Positions in forward's inputs (ctx.needs_input_grad): the routed parameters and the
@@ -642,22 +706,24 @@ class FusedExpertsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tokens, launched: tuple, launcher: FusedForward, shared_mlp: nn.Module | None,
                 router_weight, gate_up_proj, down_proj, *shared_weights):
-        out, top_e, top_e32, top_w = launched
-        ctx.launcher, ctx.shared_mlp = launcher, shared_mlp
-        ctx.save_for_backward(tokens, router_weight, gate_up_proj, down_proj, top_e32, top_w, *shared_weights)
+        out, top_e, top_e32, top_w, saved = launched
+        ctx.launcher, ctx.shared_mlp, ctx.saved_rows = launcher, shared_mlp, saved.rows
+        ctx.save_for_backward(tokens, router_weight, gate_up_proj, down_proj, top_e32, top_w, saved.values,
+                              saved.slots, *shared_weights)
         ctx.mark_non_differentiable(top_e)
         return out, top_e
 
     @staticmethod
     def backward(ctx, grad_out, _grad_top_e):
-        tokens, router_weight, gate_up_proj, down_proj, top_e, top_w, *shared_weights = ctx.saved_tensors
+        tokens, router_weight, gate_up_proj, down_proj, top_e, top_w, kept, slots, *shared_weights = ctx.saved_tensors
         need = ctx.needs_input_grad
         dx = d_router = d_gate_up = d_down = None
         # Only the shared experts train (routed experts and router frozen, input without
         # grad): no launch. Every rank of a world runs the same model, so all skip together.
         if need[0] or any(need[FusedExpertsFunction.ROUTED]):
             dx, d_router, d_gate_up, d_down = ctx.launcher.backward(
-                tokens, grad_out, top_e, top_w, router_weight, gate_up_proj, down_proj
+                tokens, grad_out, top_e, top_w, SavedGateUp(kept, slots, ctx.saved_rows), router_weight,
+                gate_up_proj, down_proj,
             )
             d_router = d_router.to(router_weight.dtype)
         d_shared = [None] * len(shared_weights)

@@ -54,10 +54,6 @@ class Tiles:
     warps: int = 8
     tma: bool = True             # weight blocks by TMA where the device and strides allow it (kosmos_moe.fused.weight_descriptors)
     row_alignment_hint: bool = True  # tell the compiler gate/up rows are 16-byte aligned when they are (expert_forward)
-    # An expert's last row tile, when at most half full, runs as a tile of rows // 2 rows: the
-    # padded rows of last tiles are ~6% of the routed tile work at 32 experts of ~1024 rows,
-    # ~48% at 256 experts of ~128 (random routing, 4096 tokens, top-8). Off: not yet timed.
-    half_tail: bool = False
 
     def kernel_constants(self) -> dict:
         """The forward kernel's tile constants (``num_warps`` included; ``TMA`` and the row
@@ -65,7 +61,7 @@ class Tiles:
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols, BM=self.rows,
             BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth, BTF=self.fold_tokens, BHF=self.fold_cols,
-            STAGES=self.stages, HALF_TAIL=self.half_tail, num_warps=self.warps,
+            STAGES=self.stages, num_warps=self.warps,
         )
 
 
@@ -160,7 +156,8 @@ class BackwardTiles:
     dispatch_rows: int = 32      # BR
     dispatch_cols: int = 512     # BH
     rows: int = 128              # BM: rows per expert tile
-    swiglu_cols: int = 64        # BN of the SwiGLU-backward tiles (three accumulators)
+    swiglu_cols: int = 64        # BN of the SwiGLU-backward tiles that redo the gate/up projections (three accumulators)
+    saved_swiglu_cols: int = 128  # BN of those tiles when the forward kept every row's projections (one accumulator)
     dx_cols: int = 128           # BN of the dx tiles
     depth: int = 64              # BK
     wgrad_depth: int = 64        # BKW: rows per step of a weight-gradient reduction
@@ -190,7 +187,11 @@ class BackwardTiles:
 
 GPU_BACKWARD_TILES = BackwardTiles()
 # Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run.
-INTERPRETER_BACKWARD_TILES = BackwardTiles(16, 16, 16, 16, 32, 16, 16, 16, 16, 16, 16, 16, 16, 32, 1, 1, 1, 2)
+INTERPRETER_BACKWARD_TILES = BackwardTiles(
+    route_tokens=16, route_depth=16, route_cols=16, dispatch_rows=16, dispatch_cols=32, rows=16, swiglu_cols=16,
+    saved_swiglu_cols=32, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16, fold_tokens=16,
+    fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2,
+)
 
 
 def backward_layout(

@@ -126,12 +126,12 @@ def starts(counts):
     return [sum(counts[:r]) for r in range(len(counts))]
 
 
-def check_case(rank, world, case, skew):
+def check_case(rank, world, case, skew, **fused_options):
     spec = CASES[case]
     counts = spec["counts"][:world]
     hidden = spec["shape"]["hidden_size"]
-    full, fused = build(rank, world, case, skew, max_tokens=max(counts) + 3)
-    what = f"{case}/{skew} world {world}"
+    full, fused = build(rank, world, case, skew, max_tokens=max(counts) + 3, **fused_options)
+    what = f"{case}/{skew} world {world} {fused_options}"
     xs = tokens(rank, counts, hidden, seed=1, positive=skew != "none")
     gs = cotangents(counts, hidden, seed=1)
     start, n = starts(counts)[rank], counts[rank]
@@ -160,9 +160,9 @@ def check_case(rank, world, case, skew):
         assert torch.equal(p.grad, grads_before[name]), f"{what}: a no-grad forward changed {name}.grad"
 
 
-def check_cases(rank, world, items):
+def check_cases(rank, world, items, **fused_options):
     for case, skew in items:
-        check_case(rank, world, case, skew)
+        check_case(rank, world, case, skew, **fused_options)
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -179,6 +179,24 @@ def test_backward_skewed_routing(world):
         4: [("softmax_shared", "one_rank")],  # two local experts per rank, top_k 2
     }[world]
     run_world(world, check_cases, items, env=INTERPRET)
+
+
+def check_kept_rows(rank, world, items, save_gate_up):
+    from kosmos_moe.fused import SAVED_NONE, SAVED_SOME
+
+    check_cases(rank, world, items, save_gate_up=save_gate_up)
+    _, fused = build(rank, world, items[0][0], "none", max_tokens=8, save_gate_up=save_gate_up)
+    assert fused.fused().backward.saved == (SAVED_NONE if save_gate_up == 0 else SAVED_SOME)
+
+
+@pytest.mark.parametrize("world, save_gate_up", [(1, 0.0), (2, 0.0), (2, 0.3)])
+def test_backward_kept_rows(world, save_gate_up):
+    """The forward keeps no gate/up projections (every SwiGLU-backward tile redoes them), or
+    those of 0.3 T K rows of a rank's T tokens: row tiles below the cap read them, the others
+    redo them, in one launch. The other tests run the defaults: every row kept with one rank,
+    1.25 T K rows with more (the one_rank skew sends the last rank more than that)."""
+    items = [("softmax_shared", "none"), ("sigmoid_group", "none"), ("softmax", "one_expert")]
+    run_world(world, check_kept_rows, items, save_gate_up, env=INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -315,18 +333,20 @@ def test_fused_backward_runs_first():
 
 
 def check_saved_bytes(rank, world, case):
-    """Autograd keeps the input row and the int32 choices and fp32 weights per token; nothing
-    of the shared experts (recomputed in the backward) or of the routed experts."""
+    """Autograd keeps per token the input row, the int32 choices and fp32 weights, and per
+    choice the gate and up projections (``2 I`` values) and their int32 slot; nothing of the
+    shared experts (recomputed in the backward)."""
     from kosmos_moe.activation_memory import saved_bytes
 
     spec = CASES[case]
     hidden, top_k = spec["shape"]["hidden_size"], spec["shape"]["top_k"]
+    inter = spec["shape"]["moe_intermediate_size"]
     counts = spec["counts"][:world]
     _, fused = build(rank, world, case, "none", max_tokens=max(counts) + 3)
     x = tokens(rank, counts, hidden, seed=7, positive=False)[rank].requires_grad_(True)
     got = saved_bytes(lambda: fused(x), fused)
-    row = hidden * x.element_size()
-    assert got == counts[rank] * (row + 8 * top_k), f"rank {rank}: {got} bytes saved for {counts[rank]} tokens"
+    row, kept = hidden * x.element_size(), 2 * inter * x.element_size() + 4
+    assert got == counts[rank] * (row + 8 * top_k + top_k * kept), f"rank {rank}: {got} bytes saved for {counts[rank]} tokens"
 
 
 def test_saved_bytes_per_token():

@@ -41,18 +41,17 @@ CASES = {
         # the other cases read weights by TMA, as on the H200.
         tiles=replace(INTERPRETER_TILES, tma=False),
     ),
-    # Last row tiles of at most half a tile run as half-height tiles (Tiles.half_tail): 32-row
-    # tiles, experts of a few rows up to a few tiles, tails on both sides of 16.
-    "softmax_half_tail": dict(
+    # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles.
+    "softmax_rows32": dict(
         shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
         counts=[75, 9, 0, 30], workers=2,
-        tiles=replace(INTERPRETER_TILES, rows=32, half_tail=True),
+        tiles=replace(INTERPRETER_TILES, rows=32),
     ),
 }
 SKEWS = ("none", "one_expert", "one_rank")
 
 
-def build(rank, world, case, skew, max_tokens):
+def build(rank, world, case, skew, max_tokens, **fused_options):
     spec = CASES[case]
     shape = spec["shape"]
     torch.manual_seed(0)
@@ -69,7 +68,7 @@ def build(rank, world, case, skew, max_tokens):
     fabric = None
     group = dist.group.WORLD if world > 1 else None
     fused = ExpertLayer(**shape, backend="kosmos", group=group, max_tokens_per_rank=max_tokens,
-                        workers_per_rank=spec["workers"], fused_options=dict(tiles=spec.get("tiles")))
+                        workers_per_rank=spec["workers"], fused_options=dict(tiles=spec.get("tiles"), **fused_options))
     fused.load_full_state_dict(full.state_dict())
     return full, fused
 
@@ -127,7 +126,7 @@ def test_fused_matches_reference(world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_fused_skewed_routing(world):
     items = [("softmax", "one_expert"), ("sigmoid_group_shared", "one_rank"), ("softmax_shared", "one_rank"),
-             ("softmax_half_tail", "one_expert")]
+             ("softmax_rows32", "one_expert")]
     run_world(world, check_cases, items, env=INTERPRET)
 
 
