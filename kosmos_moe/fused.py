@@ -486,7 +486,8 @@ class FusedForward(_PersistentLaunch):
         device = self.fabric.device
         values = torch.empty(max(rows, 1), 2 * c.moe_intermediate_size, dtype=dtype, device=device)
         # Indexed by (source rank, token, choice); with one rank every source token is this rank's.
-        slots = 0 if rows == 0 else (n if world == 1 else self.max_tokens) * world * c.top_k
+        # A backward that may read it reads it whole, even where the forward kept no row (rows 0).
+        slots = 0 if self.backward.saved == SAVED_NONE else (n if world == 1 else self.max_tokens) * world * c.top_k
         return SavedGateUp(values, torch.empty(max(slots, 1), dtype=torch.int32, device=device), rows)
 
     def _warm_up(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module, with_backward: bool) -> None:
