@@ -117,6 +117,36 @@ def _wait_at_least(ptr, target, wait_bound, SCOPE: tl.constexpr):
     return seen
 
 
+@triton.jit
+def swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, n0, hw, dgu, I: tl.constexpr, BN: tl.constexpr):
+    """Store ``w h`` and ``[dg du]`` of columns ``n0 : n0 + BN`` from ``dh'``, the gate and up
+    projections and the routing weights; return each row's partial ``<dh', h>``."""
+    DT = hw.dtype.element_ty
+    cols = n0 + tl.arange(0, BN)
+    m2 = row_ok[:, None] & (cols < I)[None, :]
+    # Each value stored as soon as it is made: fewer whole tiles live at once.
+    sig = tl.sigmoid(a)
+    silu = a * sig
+    h = silu * u
+    tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
+    part = tl.sum(tl.where(m2, dh1 * h, 0.0), axis=1)
+    dh = dh1 * wgt[:, None]
+    tl.store(dgu + r64 * (2 * I) + I + cols[None, :], (dh * silu).to(DT), mask=m2)
+    tl.store(dgu + r64 * (2 * I) + cols[None, :], (dh * u * (sig + silu * (1.0 - sig))).to(DT), mask=m2)
+    return part
+
+
+@triton.jit
+def kept_half_epilogue(dh1, kept, wgt, r64, row_ok, n0, hw, dgu, I: tl.constexpr, BN: tl.constexpr):
+    """``swiglu_backward_epilogue`` with the gate and up projections read where the forward kept them."""
+    cols = n0 + tl.arange(0, BN)
+    ok = row_ok[:, None] & (cols < I)[None, :]
+    at = kept[:, None] + cols[None, :]
+    a = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(at + I, mask=ok, other=0.0).to(tl.float32)
+    return swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, n0, hw, dgu, I, BN)
+
+
 @triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap"])
 def expert_backward_kernel(
     x_ptr, g_ptr, dx_ptr, topk_e_ptr, topk_w_ptr, n_tokens, saved_ptr, slot_ptr, save_cap,
@@ -333,40 +363,40 @@ def expert_backward_kernel(
                         rows = row0 + tl.arange(0, BM)
                         row_ok = tl.arange(0, BM) < n_rows
                         w_dn = w_down_ptr + e.to(tl.int64) * H * I
-                        # Rows the forward kept the gate and up projections of need one GEMM here.
-                        in_place = SAVED == SAVED_ALL
+                        wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
+                        r64 = rows.to(tl.int64)[:, None]
                         fwd = rows
                         if SAVED != SAVED_NONE:
+                            # Where the forward kept each row's gate and up projections.
                             src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
                             ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
                             fwd = tl.load(slot_ptr + src.to(tl.int64) * (T_MAX * TOP_K) + ent, mask=row_ok, other=0)
-                        if SAVED == SAVED_SOME:
-                            in_place = (tl.max(tl.where(row_ok, fwd, 0), axis=0) < save_cap) & (save_cap > 0)
-                        if in_place:
-                            dh1, a, u = saved_swiglu_backward_tile(recv_g + row0.to(tl.int64) * H, n_rows, w_dn,
-                                                                   saved_ptr + fwd.to(tl.int64) * (2 * I), ib * BN_DH,
-                                                                   H, I, BM, BN_DH, BK, DOT_DTYPE, DX_STAGES)
+                        kept = saved_ptr + fwd.to(tl.int64) * (2 * I)
+                        if SAVED == SAVED_ALL:
+                            # One GEMM; the epilogue in two column halves, so that fewer whole
+                            # tiles are live at once (offline sm_90: fewer spills).
+                            dh1 = rows_times_weight_tile(recv_g + row0.to(tl.int64) * H, n_rows, w_dn, ib * BN_DH,
+                                                         H, I, BM, BN_DH, BK, DOT_DTYPE, DX_STAGES)
+                            lo, hi = tl.split(tl.permute(tl.reshape(dh1, [BM, 2, BN_DH // 2]), (0, 2, 1)))
+                            part = kept_half_epilogue(lo, kept, wgt, r64, row_ok, ib * BN_DH, hw, dgu, I, BN_DH // 2)
+                            part += kept_half_epilogue(hi, kept, wgt, r64, row_ok, ib * BN_DH + BN_DH // 2, hw, dgu,
+                                                       I, BN_DH // 2)
                         else:
-                            w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-                            dh1, a, u = swiglu_backward_tile(recv_x + rows.to(tl.int64) * H,
-                                                             recv_g + rows.to(tl.int64) * H, n_rows,
-                                                             w_e, w_e + I * H, w_dn, ib * BN_DH,
-                                                             H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
-                        wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
-                        cols = ib * BN_DH + tl.arange(0, BN_DH)
-                        m2 = row_ok[:, None] & (cols < I)[None, :]
-                        r64 = rows.to(tl.int64)[:, None]
-                        # Each value stored as soon as it is made: fewer whole tiles live at once.
-                        sig = tl.sigmoid(a)
-                        silu = a * sig
-                        h = silu * u
-                        tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
-                        part = tl.sum(tl.where(m2, dh1 * h, 0.0), axis=1)
+                            in_place = False
+                            if SAVED == SAVED_SOME:
+                                in_place = (tl.max(tl.where(row_ok, fwd, 0), axis=0) < save_cap) & (save_cap > 0)
+                            if in_place:
+                                dh1, a, u = saved_swiglu_backward_tile(recv_g + row0.to(tl.int64) * H, n_rows, w_dn,
+                                                                       kept, ib * BN_DH, H, I, BM, BN_DH, BK,
+                                                                       DOT_DTYPE, DX_STAGES)
+                            else:
+                                w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+                                dh1, a, u = swiglu_backward_tile(recv_x + rows.to(tl.int64) * H,
+                                                                 recv_g + rows.to(tl.int64) * H, n_rows,
+                                                                 w_e, w_e + I * H, w_dn, ib * BN_DH,
+                                                                 H, I, BM, BN_DH, BK, DOT_DTYPE, STAGES)
+                            part = swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, ib * BN_DH, hw, dgu, I, BN_DH)
                         tl.store(dw_part + rows.to(tl.int64) * N_IB + ib, part, mask=row_ok)
-                        dh = dh1 * wgt[:, None]
-                        tl.store(dgu + r64 * (2 * I) + I + cols[None, :], (dh * silu).to(DT), mask=m2)
-                        tl.store(dgu + r64 * (2 * I) + cols[None, :], (dh * u * (sig + silu * (1.0 - sig))).to(DT),
-                                 mask=m2)
                         tl.debug_barrier()
                         tl.atomic_add(ctl + C_DH_DONE + pick(tile_start_el, el_idx, e) + m, 1, sem="release", scope="gpu")
                         tl.atomic_add(ctl + C_DH_EXP + e, 1, sem="release", scope="gpu")

@@ -587,9 +587,11 @@ class FusedForward(_PersistentLaunch):
 class FusedBackward(_PersistentLaunch):
     """Launches the persistent backward kernel for one rank of one layer (routed experts).
 
-    It needs from the forward only the input and the forward's choices and weights; the
-    dispatch layout is rebuilt from those, so any number of forwards may run before their
-    backwards. Its workspace is separate from the forward's.
+    It needs from the forward the input, the forward's choices and weights, and the gate/up
+    projections it kept (:class:`SavedGateUp`); the dispatch layout is rebuilt from the
+    choices, so any number of forwards may run before their backwards. Its workspace is
+    separate from the forward's. ``saved`` (the kernel's ``SAVED``) says which rows' projections
+    the forward keeps; with all of them the SwiGLU-backward tiles are ``saved_swiglu_cols`` wide.
     """
 
     direction = "backward"
