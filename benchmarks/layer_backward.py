@@ -54,7 +54,9 @@ VARIANTS = {
     "dx256": _backward_tiles(dx_cols=256, depth=32),
     "dx_stages3": _backward_tiles(dx_stages=3),
     "depth32": _backward_tiles(depth=32),
-    "wgrad_k32_stages4": _backward_tiles(wgrad_depth=32, stages=4),
+    "wgrad_k32_stages4": _backward_tiles(wgrad_depth=32, wgrad_stages=4),
+    "wgrad_stages4": _backward_tiles(wgrad_stages=4),
+    "wgrad_stages5": _backward_tiles(wgrad_stages=5),
 }
 
 

@@ -166,7 +166,7 @@ def expert_backward_kernel(
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
     BN_DH: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BWM: tl.constexpr,
     BWN: tl.constexpr, WS: tl.constexpr, BHR: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
-    DX_STAGES: tl.constexpr,
+    DX_STAGES: tl.constexpr, WG_STAGES: tl.constexpr,
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
@@ -515,16 +515,15 @@ def expert_backward_kernel(
                     if tl.atomic_add(ctl + C_DH_EXP + e, 0, sem="acquire", scope="gpu") == need:
                         tl.debug_barrier()
                         r0 = pick(row_start_el, el_idx, e).to(tl.int64)
-                        if kind == 1:
-                            # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h]
-                            row_reduction_strip(dgu + r0 * (2 * I), recv_x + r0 * H,
-                                                d_gate_up_ptr + e.to(tl.int64) * 2 * I * H, n_rows_e, mb * BWM,
-                                                sb * WS, 2 * I, H, WS, BWM, BWN, BKW, DOT_DTYPE, STAGES)
-                        else:
-                            # dWd[h, i] = sum_rows g[row, h] (w h)[row, i]
-                            row_reduction_strip(recv_g + r0 * H, hw + r0 * I, d_down_ptr + e.to(tl.int64) * H * I,
-                                                n_rows_e, mb * BWM, sb * WS, H, I, WS, BWM, BWN, BKW,
-                                                DOT_DTYPE, STAGES)
+                        # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h] (kind 1) and
+                        # dWd[h, i] = sum_rows g[row, h] (w h)[row, i] (kind 2), in one loop.
+                        gu = kind == 1
+                        row_reduction_strip(tl.where(gu, dgu + r0 * (2 * I), recv_g + r0 * H),
+                                            tl.where(gu, recv_x + r0 * H, hw + r0 * I),
+                                            tl.where(gu, d_gate_up_ptr + e.to(tl.int64) * 2 * I * H,
+                                                     d_down_ptr + e.to(tl.int64) * H * I),
+                                            n_rows_e, mb * BWM, sb * WS, tl.where(gu, 2 * I, H), tl.where(gu, H, I),
+                                            WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, (H % 16 == 0) & (I % 16 == 0))
                         did = 8
                         q = -1
                         kind = 0

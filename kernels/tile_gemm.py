@@ -283,10 +283,9 @@ def down_tile_tma_w(
 
 @triton.jit
 def row_reduction_strip(
-    a_ptr, b_ptr, out_ptr, n_rows, m0, blk0,
-    M_DIM: tl.constexpr, N_DIM: tl.constexpr, STRIP: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+    a_ptr, b_ptr, out_ptr, n_rows, m0, blk0, M_DIM, N_DIM,
+    STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     """``out[m0:m0+BM, n-block] = a[:n_rows, m0:m0+BM]^T @ b[:n_rows, n-block]`` for ``STRIP``
     consecutive ``BN``-column blocks from ``blk0`` (fewer at the right edge).
@@ -297,10 +296,20 @@ def row_reduction_strip(
     the next block's first loads are in flight during this block's store. Per-block loops
     each paid a pipeline fill and a drain, which at one or two row steps per block (256
     experts, ~128 rows each) cost more than the block's math. ``n_rows == 0`` writes zeros.
+
+    The widths are run-time values, so that the backward's two weight gradients share one
+    loop (one set of pipeline buffers in shared memory); ``ALIGNED`` says that both are
+    multiples of 16 and the three pointers 16-byte aligned, which the asynchronous copies
+    need to be proven.
     """
-    N_BLOCKS: tl.constexpr = (N_DIM + BN - 1) // BN
+    if ALIGNED:
+        M_DIM = tl.multiple_of(M_DIM, 16)
+        N_DIM = tl.multiple_of(N_DIM, 16)
+        a_ptr = tl.multiple_of(a_ptr, 16)
+        b_ptr = tl.multiple_of(b_ptr, 16)
+        out_ptr = tl.multiple_of(out_ptr, 16)
     steps = tl.maximum(tl.cdiv(n_rows, BK), 1)
-    n_blocks = tl.minimum(N_BLOCKS - blk0, STRIP)
+    n_blocks = tl.minimum(tl.cdiv(N_DIM, BN) - blk0, STRIP)
     mcols = m0 + tl.arange(0, BM)
     m_ok = mcols < M_DIM
     rr = tl.arange(0, BK)

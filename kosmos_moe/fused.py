@@ -399,7 +399,9 @@ class FusedForward(_PersistentLaunch):
     must call) and reused by every later call; no call waits on the host, so after the first
     eager call the layer can be captured in a CUDA graph. With ``backward=True`` the
     backward's workspace is requested at the same time, so that a rank's first backward never
-    allocates while its peers' kernels run.
+    allocates while its peers' kernels run. ``save_gate_up`` sets how many received rows'
+    gate/up projections a training call keeps, per (token, choice) of this rank's batch
+    (:class:`SavedGateUp`); with one rank every row is kept, and 0 keeps none.
     """
 
     direction = "forward"

@@ -39,6 +39,12 @@ class ExpertLayer(nn.Module):
     ``deepep`` (DeepEP's Buffer for the exchange, grouped-GEMM experts; ``deepep_buffer`` may
     pass any Buffer with DeepEP's API, e.g. ``kosmos_moe.deepep_compat.Buffer``).
 
+    ``fused_options`` are keyword arguments of the kosmos launcher
+    (:class:`kosmos_moe.fused.FusedForward`): tile sizes, ``profile``, and ``save_gate_up``, the
+    gate/up projection rows a training forward keeps for the backward per (token, choice) of a
+    rank's batch (default 1.25; with one rank every row; 0 keeps none and the backward redoes
+    the projections, for the least activation memory).
+
     After each call, ``tokens_per_expert`` holds the number of this rank's (token, k)
     assignments per global expert and, when ``compute_aux_loss`` is set, ``aux_loss`` holds the
     switch load-balancing loss for the caller to add to its objective.

@@ -173,6 +173,11 @@ class BackwardTiles:
     # WS: column blocks per weight-gradient task, one pipelined loop. 16 vs 8: 51.3 vs 54.2 ms
     # forward+backward (DeepSeek-V3, 256 experts, H200).
     wgrad_strip: int = 16
+    # Pipeline stages of the weight-gradient strips (both gradients share one loop, so one set
+    # of buffers: 3 stages take 96 KB of shared memory, 5 take 160 KB). 4 and 5 are untimed;
+    # the dx tiles gained 15% from 3 to 4, and at 3 these run at about 360 TFLOP/s (H200,
+    # DeepSeek-V3 one-rank view).
+    wgrad_stages: int = 3
 
     def kernel_constants(self) -> dict:
         """The backward kernel's tile constants (``num_warps`` included)."""
@@ -181,7 +186,7 @@ class BackwardTiles:
             BM=self.rows, BN_DH=self.swiglu_cols, BN_DX=self.dx_cols, BK=self.depth, BKW=self.wgrad_depth,
             BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
-            num_warps=self.warps,
+            WG_STAGES=self.wgrad_stages, num_warps=self.warps,
         )
 
 
@@ -190,7 +195,7 @@ GPU_BACKWARD_TILES = BackwardTiles()
 INTERPRETER_BACKWARD_TILES = BackwardTiles(
     route_tokens=16, route_depth=16, route_cols=16, dispatch_rows=16, dispatch_cols=32, rows=16, swiglu_cols=16,
     saved_swiglu_cols=32, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16, fold_tokens=16,
-    fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2,
+    fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2, wgrad_stages=1,
 )
 
 

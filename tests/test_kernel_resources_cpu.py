@@ -42,13 +42,15 @@ def run_tool(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
 def test_default_tiles_keep_wgmma_pipelined(tmp_path):
     done, report = run_tool(tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for name in ("forward", "backward"):
+    # GEMM loops: forward routed and shared gate/up and down; backward dx, the SwiGLU
+    # backward's g Wd (every row's projections kept at one rank) and the weight-gradient strip.
+    for name, loops in (("forward", 4), ("backward", 3)):
         kernel = report["kernels"][name]
         assert kernel["wgmma_serialized"] == [], (name, kernel["ptxas_warnings"])
         assert 0 < kernel["shared_bytes"] <= 232448, (name, kernel["shared_bytes"])
         assert kernel["registers"] > 0
         gemm_loops = [loop for loop in kernel["wgmma_loops"] if loop["dtype"] == "bf16"]
-        assert len(gemm_loops) >= 4 and all(loop["in_flight"] for loop in gemm_loops), kernel["wgmma_loops"]
+        assert len(gemm_loops) >= loops and all(loop["in_flight"] for loop in gemm_loops), kernel["wgmma_loops"]
 
 
 def test_register_starved_tiles_are_reported(tmp_path):
