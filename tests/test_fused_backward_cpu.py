@@ -333,24 +333,36 @@ def test_fused_backward_runs_first():
 
 
 def check_saved_bytes(rank, world, case):
-    """Autograd keeps per token the input row, the int32 choices and fp32 weights, and per
-    choice the gate and up projections (``2 I`` values) and their int32 slot; nothing of the
-    shared experts (recomputed in the backward)."""
+    """Autograd keeps per token the input row, the int32 choices and fp32 weights; nothing of
+    the shared experts (recomputed in the backward). Of the routed experts it keeps gate and up
+    projections (``2 I`` values a row): with one rank one row per choice and an int32 slot per
+    choice; with W ranks ``ceil(1.25 T K)`` rows (at most what the rank can receive) and a slot
+    per (source, token, choice) of every rank's largest batch."""
+    import math
+
     from kosmos_moe.activation_memory import saved_bytes
 
     spec = CASES[case]
     hidden, top_k = spec["shape"]["hidden_size"], spec["shape"]["top_k"]
-    inter = spec["shape"]["moe_intermediate_size"]
+    inter, experts = spec["shape"]["moe_intermediate_size"], spec["shape"]["num_experts"]
     counts = spec["counts"][:world]
-    _, fused = build(rank, world, case, "none", max_tokens=max(counts) + 3)
+    max_tokens = max(counts) + 3
+    _, fused = build(rank, world, case, "none", max_tokens=max_tokens)
     x = tokens(rank, counts, hidden, seed=7, positive=False)[rank].requires_grad_(True)
     got = saved_bytes(lambda: fused(x), fused)
-    row, kept = hidden * x.element_size(), 2 * inter * x.element_size() + 4
-    assert got == counts[rank] * (row + 8 * top_k + top_k * kept), f"rank {rank}: {got} bytes saved for {counts[rank]} tokens"
+    n, es = counts[rank], x.element_size()
+    if world == 1:
+        rows, slots = n * top_k, n * top_k
+    else:
+        rows = min(world * max_tokens * min(top_k, experts // world), math.ceil(1.25 * n * top_k))
+        slots = world * max_tokens * top_k
+    expected = n * (hidden * es + 8 * top_k) + max(rows, 1) * 2 * inter * es + max(slots, 1) * 4
+    assert got == expected, f"rank {rank} of {world}: {got} bytes saved for {n} tokens, expected {expected}"
 
 
-def test_saved_bytes_per_token():
-    run_world(1, check_saved_bytes, "softmax_shared", env=INTERPRET)
+@pytest.mark.parametrize("world", [1, 2])
+def test_saved_bytes_per_token(world):
+    run_world(world, check_saved_bytes, "softmax_shared", env=INTERPRET)
 
 
 def check_only_shared_trains(rank, world, case):
