@@ -26,6 +26,7 @@ the GPU would build; nothing runs. What ``--check`` fails on:
     python benchmarks/kernel_resources.py                         # DeepSeek-V3 rank view
     python benchmarks/kernel_resources.py --case qwen3_full --backward-tiles dx_stages=3
     python benchmarks/kernel_resources.py --check                 # exit 1 on a finding
+    python benchmarks/kernel_resources.py --case dsv3_full --ranks 2 --tokens 512   # an EP=2 rank
 """
 
 from __future__ import annotations
@@ -79,10 +80,17 @@ def tile_overrides(pairs: list[str], tiles):
     return dataclasses.replace(tiles, **changes)
 
 
-def kernel_calls(case: str, tiles, backward_tiles, tokens: int) -> dict:
-    """The forward and backward launches of one rank of ``case``, as (kernel, args, constants)."""
+def kernel_calls(case: str, tiles, backward_tiles, tokens: int, ranks: int = 1) -> dict:
+    """The forward and backward launches of rank 0 of ``case`` in a world of ``ranks``, as
+    (kernel, args, constants). With several ranks the backward is the one that keeps only
+    some rows' gate/up projections and redoes the others'."""
     preset, experts = CASES[case]
     world = EmulatedWorld(1, "cpu")
+    if ranks > 1:
+        # Nothing runs, so rank 0 of a CPU world of several ranks is enough to build its
+        # kernels (EmulatedWorld refuses such a world for running: the interpreter runs
+        # programs one after another). Every rank's workspace is allocated: keep --tokens small.
+        world.world_size, world._requests = ranks, [0] * ranks
     with torch.device("meta"):
         layer = getattr(ExpertLayer, preset)(
             num_experts=experts, dtype=torch.bfloat16, backend="kosmos", fabric=world.rank(0),
@@ -253,6 +261,8 @@ def main() -> None:
     parser.add_argument("--backward-tiles", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="backward tile overrides")
     parser.add_argument("--tokens", type=int, default=4096, help="max tokens per rank (sizes the workspace)")
+    parser.add_argument("--ranks", type=int, default=1,
+                        help="expert-parallel world size (the case's experts are split among the ranks)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 on serialized wgmma, a 16-bit wgmma loop without a dot in flight, "
                              "or shared memory over 227 KB")
@@ -260,7 +270,7 @@ def main() -> None:
     parser.add_argument("--dump", help="write each kernel's TTGIR and PTX into this directory")
     args = parser.parse_args()
     calls = kernel_calls(args.case, tile_overrides(args.tiles, GPU_TILES),
-                         tile_overrides(args.backward_tiles, GPU_BACKWARD_TILES), args.tokens)
+                         tile_overrides(args.backward_tiles, GPU_BACKWARD_TILES), args.tokens, args.ranks)
     reports, bad = {}, []
     for name in args.kernels:
         print(f"[{args.case}] compiling the {name} kernel for sm_90a", file=sys.stderr, flush=True)

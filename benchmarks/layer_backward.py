@@ -37,7 +37,7 @@ from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES
 # worker, DeepSeek-V3 one-rank view). The tile variants change one backward tile size each;
 # those that an offline sm_90 compile showed to serialize the kernel's wgmma for lack of
 # registers (ptxas C7512: 128 x 256 or 256 x 128 weight-gradient tiles, 128-column
-# SwiGLU-backward tiles with three accumulators) or to need more than 227 KB of shared memory
+# SwiGLU-backward tiles with three accumulators, recompute_cols=128) or to need more than 227 KB of shared memory
 # (4 stages at depth 64 or 32) are left out. ``recompute`` keeps no gate/up projections in the
 # forward (``save_gate_up=0``): the backward redoes them.
 def _backward_tiles(**changes) -> dict:
@@ -47,10 +47,10 @@ def _backward_tiles(**changes) -> dict:
 VARIANTS = {
     "default": {},
     "recompute": {"save_gate_up": 0.0},
-    "saved_cols64": _backward_tiles(saved_swiglu_cols=64),
+    "saved_cols64": _backward_tiles(swiglu_cols=64),
     "pointer_weights": {"tiles": dataclasses.replace(GPU_TILES, tma=False)},
     "strip8": _backward_tiles(wgrad_strip=8),
-    "rows64": _backward_tiles(rows=64, swiglu_cols=128),
+    "rows64": _backward_tiles(rows=64),
     "dx256": _backward_tiles(dx_cols=256, depth=32),
     "dx_stages3": _backward_tiles(dx_stages=3),
     "depth32": _backward_tiles(depth=32),

@@ -132,25 +132,6 @@ def swiglu_backward_tile(
 
 
 @triton.jit
-def saved_swiglu_backward_tile(
-    g_ptr, n_rows, w_down_ptr, saved_rows, n0,
-    H: tl.constexpr, I: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-):
-    """``swiglu_backward_tile`` when the forward kept the gate and up projections: ``g @ Wd[:, n0:n0+BN]``
-    is the only GEMM, and the gate and up tiles are read from ``saved_rows`` (one pointer per
-    row to ``[gate | up]``, ``2 I`` wide). ``g_ptr`` points at the first of ``n_rows`` contiguous rows."""
-    dh = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES)
-    cols = n0 + tl.arange(0, BN)
-    ok = (tl.arange(0, BM) < n_rows)[:, None] & (cols < I)[None, :]
-    at = saved_rows[:, None] + cols[None, :]
-    a = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(at + I, mask=ok, other=0.0).to(tl.float32)
-    return dh, a, u
-
-
-@triton.jit
 def rows_times_weight_tile(
     a_ptr, n_rows, w_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,

@@ -593,7 +593,7 @@ class FusedBackward(_PersistentLaunch):
     projections it kept (:class:`SavedGateUp`); the dispatch layout is rebuilt from the
     choices, so any number of forwards may run before their backwards. Its workspace is
     separate from the forward's. ``saved`` (the kernel's ``SAVED``) says which rows' projections
-    the forward keeps; with all of them the SwiGLU-backward tiles are ``saved_swiglu_cols`` wide.
+    the forward keeps; with none, the SwiGLU-backward tasks are ``recompute_cols`` wide.
     """
 
     direction = "backward"
@@ -602,9 +602,9 @@ class FusedBackward(_PersistentLaunch):
                  saved: int = SAVED_NONE) -> None:
         on_gpu = fabric.device.type == "cuda"
         tiles = tiles or (GPU_BACKWARD_TILES if on_gpu else INTERPRETER_BACKWARD_TILES)
-        if saved == SAVED_ALL:
-            # Every SwiGLU-backward tile has one accumulator: wider tiles.
-            tiles = dataclasses.replace(tiles, swiglu_cols=tiles.saved_swiglu_cols)
+        if saved == SAVED_NONE:
+            # Every SwiGLU-backward task redoes the projections: no wider tasks.
+            tiles = dataclasses.replace(tiles, swiglu_cols=tiles.recompute_cols)
         super().__init__(config, fabric, max_tokens, workers, tiles, wait_bound, profile)
         from kosmos_moe.kernels.expert_backward import PROFILE_SLOTS
 

@@ -156,8 +156,12 @@ class BackwardTiles:
     dispatch_rows: int = 32      # BR
     dispatch_cols: int = 512     # BH
     rows: int = 128              # BM: rows per expert tile
-    swiglu_cols: int = 64        # BN of the SwiGLU-backward tiles that redo the gate/up projections (three accumulators)
-    saved_swiglu_cols: int = 128  # BN of those tiles when the forward kept every row's projections (one accumulator)
+    # Columns of a SwiGLU-backward task: one accumulator (g Wd) where the forward kept the
+    # gate/up projections (H200, DeepSeek-V3 one-rank view: 2.24 ms busy per worker at 128,
+    # 3.50 at 64). A task that redoes the projections (three accumulators) runs as sub-tiles
+    # of recompute_cols: 128 there makes ptxas serialize the kernel's wgmma (C7512).
+    swiglu_cols: int = 128
+    recompute_cols: int = 64
     dx_cols: int = 128           # BN of the dx tiles
     depth: int = 64              # BK
     wgrad_depth: int = 64        # BKW: rows per step of a weight-gradient reduction
@@ -179,11 +183,15 @@ class BackwardTiles:
     # DeepSeek-V3 one-rank view).
     wgrad_stages: int = 3
 
+    def __post_init__(self) -> None:
+        if self.swiglu_cols % self.recompute_cols:
+            raise ValueError(f"swiglu_cols={self.swiglu_cols} must be a multiple of recompute_cols={self.recompute_cols}")
+
     def kernel_constants(self) -> dict:
         """The backward kernel's tile constants (``num_warps`` included)."""
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols,
-            BM=self.rows, BN_DH=self.swiglu_cols, BN_DX=self.dx_cols, BK=self.depth, BKW=self.wgrad_depth,
+            BM=self.rows, BN_DH=self.swiglu_cols, BN_RC=self.recompute_cols, BN_DX=self.dx_cols, BK=self.depth, BKW=self.wgrad_depth,
             BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, num_warps=self.warps,
@@ -193,8 +201,8 @@ class BackwardTiles:
 GPU_BACKWARD_TILES = BackwardTiles()
 # Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run.
 INTERPRETER_BACKWARD_TILES = BackwardTiles(
-    route_tokens=16, route_depth=16, route_cols=16, dispatch_rows=16, dispatch_cols=32, rows=16, swiglu_cols=16,
-    saved_swiglu_cols=32, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16, fold_tokens=16,
+    route_tokens=16, route_depth=16, route_cols=16, dispatch_rows=16, dispatch_cols=32, rows=16, swiglu_cols=32,
+    recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16, fold_tokens=16,
     fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2, wgrad_stages=1,
 )
 
