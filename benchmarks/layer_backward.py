@@ -37,9 +37,9 @@ from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES
 # worker, DeepSeek-V3 one-rank view). The tile variants change one backward tile size each;
 # those that an offline sm_90 compile showed to serialize the kernel's wgmma for lack of
 # registers (ptxas C7512: 128 x 256 or 256 x 128 weight-gradient tiles, 128-column
-# SwiGLU-backward tiles with three accumulators, recompute_cols=128) or to need more than 227 KB of shared memory
-# (4 stages at depth 64 or 32) are left out. ``recompute`` keeps no gate/up projections in the
-# forward (``save_gate_up=0``): the backward redoes them.
+# SwiGLU-backward tiles with three accumulators, recompute_cols=128) or to need more than
+# 227 KB of shared memory (4 stages at depth 64 or 32) are left out. ``recompute`` keeps no
+# gate/up projections in the forward (``save_gate_up=0``): the backward redoes them.
 def _backward_tiles(**changes) -> dict:
     return {"backward_tiles": dataclasses.replace(GPU_BACKWARD_TILES, **changes)}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import math
@@ -10,8 +11,6 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-import dataclasses
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -105,7 +104,7 @@ def saved_mode(save_gate_up: float, world: int) -> int:
     return SAVED_ALL if world == 1 else SAVED_SOME
 
 
-@dataclass
+@dataclasses.dataclass
 class SavedGateUp:
     """The gate and up projections a training forward keeps for its backward, on the expert rank.
 
@@ -478,18 +477,18 @@ class FusedForward(_PersistentLaunch):
 
     def _saved_gate_up(self, n: int, dtype: torch.dtype) -> SavedGateUp:
         """Buffers for the gate/up projections a training call keeps (see :class:`SavedGateUp`)."""
-        c, world = self.config, self.fabric.world_size
-        if self.backward.saved == SAVED_NONE:
-            rows = 0
-        elif world == 1:
-            rows = n * c.top_k  # every row this rank receives
+        c, world, mode = self.config, self.fabric.world_size, self.backward.saved
+        # Rows kept, and slots indexed by (source rank, token, choice). A backward that may read
+        # the slots reads them whole, even where the forward kept no row (rows 0).
+        if mode == SAVED_NONE:
+            rows = slots = 0
+        elif mode == SAVED_ALL:  # one rank: every row it receives is one of its own choices
+            rows = slots = n * c.top_k
         else:
             rows = min(self.layout.recv_rows, math.ceil(self.save_gate_up * n * c.top_k))
+            slots = world * self.max_tokens * c.top_k
         device = self.fabric.device
         values = torch.empty(max(rows, 1), 2 * c.moe_intermediate_size, dtype=dtype, device=device)
-        # Indexed by (source rank, token, choice); with one rank every source token is this rank's.
-        # A backward that may read it reads it whole, even where the forward kept no row (rows 0).
-        slots = 0 if self.backward.saved == SAVED_NONE else (n if world == 1 else self.max_tokens) * world * c.top_k
         return SavedGateUp(values, torch.empty(max(slots, 1), dtype=torch.int32, device=device), rows)
 
     def _warm_up(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module, with_backward: bool) -> None:

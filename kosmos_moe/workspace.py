@@ -185,14 +185,15 @@ class BackwardTiles:
 
     def __post_init__(self) -> None:
         if self.swiglu_cols % self.recompute_cols:
-            raise ValueError(f"swiglu_cols={self.swiglu_cols} must be a multiple of recompute_cols={self.recompute_cols}")
+            raise ValueError(
+                f"swiglu_cols={self.swiglu_cols} must be a multiple of recompute_cols={self.recompute_cols}")
 
     def kernel_constants(self) -> dict:
         """The backward kernel's tile constants (``num_warps`` included)."""
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols,
-            BM=self.rows, BN_DH=self.swiglu_cols, BN_RC=self.recompute_cols, BN_DX=self.dx_cols, BK=self.depth, BKW=self.wgrad_depth,
-            BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip, BHR=self.route_cols,
+            BM=self.rows, BN_DH=self.swiglu_cols, BN_RC=self.recompute_cols, BN_DX=self.dx_cols, BK=self.depth,
+            BKW=self.wgrad_depth, BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, num_warps=self.warps,
         )
