@@ -10,6 +10,11 @@ tile code's own rate can be told apart from what the persistent kernel around it
 For each shape and tile variant: gate/up and down TFLOP/s with gathered rows (as the fused
 kernel reads its own rank's rows in place) and with contiguous rows, next to
 ``torch._grouped_mm`` on the same rows, and the largest difference from it.
+
+The backward's weight gradients (``--wgrad-variants``) are reductions over each expert's
+rows: ``dW[g;u] = [dg du]^T x`` and ``dWd = g^T (w h)``, run by ``row_reduction_strip`` (one
+program per expert, row block of the output and strip of column blocks, as the fused
+backward's tasks), next to ``torch._grouped_mm`` grouped along the reduction.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from layer_forward import timed
 
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kosmos_moe.kernels.tile_gemm import down_tile, down_tile_tma, down_tile_tma_w, gate_up_tile, gate_up_tile_tma, gate_up_tile_tma_rows
+from kosmos_moe.kernels.tile_gemm import (
+    down_tile, down_tile_tma, down_tile_tma_w, gate_up_tile, gate_up_tile_tma, gate_up_tile_tma_rows, row_reduction_strip,
+)
 
 SHAPES = {
     # name: (hidden, intermediate, experts, tokens, top_k)
@@ -46,6 +53,18 @@ VARIANTS = {
     "tma_stages4": (128, 128, 256, 64, 4, 8, True),
     "tma_gu64_s4": (128, 64, 256, 64, 4, 8, True),
     "tma_w4": (128, 64, 128, 64, 4, 4, True),
+}
+
+# Weight-gradient tiles: (output rows, output columns, reduction depth, stages, column blocks
+# per strip, warps, operands by TMA). The fused backward's are GPU_BACKWARD_TILES' wgrad_*.
+WGRAD_VARIANTS = {
+    "fused_default": (128, 128, 64, 4, 16, 8, True),
+    "pointers": (128, 128, 64, 4, 16, 8, False),
+    "pointers_stages3": (128, 128, 64, 3, 16, 8, False),
+    "cols256": (128, 256, 64, 3, 16, 8, True),
+    "rows256": (256, 128, 64, 3, 16, 8, True),
+    "cols256_pointers": (128, 256, 64, 3, 16, 8, False),
+    "strip4": (128, 128, 64, 4, 4, 8, True),
 }
 
 
@@ -121,6 +140,39 @@ def _down_grid_tma(h_ptr, h_desc, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr,
     _store_rows(acc, y_ptr, row0, n_rows, hb * BN, H, BM, BN)
 
 
+@triton.jit
+def _wgrad_grid(a_ptr, b_ptr, out_ptr, row_start_ptr, counts_ptr, M_DIM, N_DIM, n_m, n_s,
+                STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
+                DOT_DTYPE: tl.constexpr, TMA: tl.constexpr):
+    """``out[e, m-block, strip] = a[rows of e, m-block]^T @ b[rows of e, strip]``, in the fused
+    backward's task order (expert, row block, strip)."""
+    pid = tl.program_id(0)
+    e = pid // (n_m * n_s)
+    mb = (pid // n_s) % n_m
+    sb = pid % n_s
+    r0 = tl.load(row_start_ptr + e).to(tl.int64)
+    row_reduction_strip(a_ptr + r0 * M_DIM, b_ptr + r0 * N_DIM, out_ptr + e.to(tl.int64) * M_DIM * N_DIM,
+                        tl.load(counts_ptr + e), mb * BM, sb * STRIP, M_DIM, N_DIM, STRIP, BM, BN, BK, DOT_DTYPE,
+                        STAGES, (M_DIM % 16 == 0) & (N_DIM % 16 == 0), TMA)
+
+
+def wgrad_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, variant: tuple,
+                 dot_dtype=tl.bfloat16):
+    """A launcher of ``_wgrad_grid`` over expert-major rows ``a`` [R, M] and ``b`` [R, N] into ``out`` [E, M, N]."""
+    bm, bn, bk, stages, strip, warps, tma = variant
+    M, N = a.shape[1], b.shape[1]
+    n_m, n_s = triton.cdiv(M, bm), triton.cdiv(triton.cdiv(N, bn), strip)
+    starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
+    counts = counts.to(torch.int32)
+    grid = (counts.numel() * n_m * n_s,)
+    if tma and a.is_cuda:
+        from kosmos_moe.fused import ensure_triton_allocator
+
+        ensure_triton_allocator()
+    return lambda: _wgrad_grid[grid](a, b, out, starts, counts, M, N, n_m, n_s, strip, bm, bn, bk, stages, dot_dtype,
+                                     tma, num_warps=warps)
+
+
 def tiles_of(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per row tile: first row, row count and expert, for expert-major rows with ``counts`` each."""
     starts = torch.cumsum(counts, 0) - counts
@@ -139,6 +191,41 @@ def report(name: str, label: str, res: dict) -> None:
           f"{res['gate_up_contiguous']:.0f}, down {res['down']:.0f}"
           + (f" (rows by TMA {res['down_rows_tma']:.0f})" if "down_rows_tma" in res else "") + " TFLOP/s "
           f"(max diff h {res['h_max_diff']:.3g}, y {res['y_max_diff']:.3g})", file=sys.stderr, flush=True)
+
+
+def run_wgrad(name: str, variants: dict) -> dict:
+    """TFLOP/s of both weight gradients of one shape per variant, and of ``torch._grouped_mm``."""
+    H, I, E, T, K = SHAPES[name]
+    torch.manual_seed(0)
+    dev, dt = "cuda", torch.bfloat16
+    counts = torch.bincount(torch.rand(T, E, device=dev).topk(K, dim=1).indices.reshape(-1), minlength=E)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    R = int(counts.sum())
+    x, dgu = torch.randn(R, H, device=dev, dtype=dt), torch.randn(R, 2 * I, device=dev, dtype=dt)
+    g, hw = torch.randn(R, H, device=dev, dtype=dt), torch.randn(R, I, device=dev, dtype=dt)
+    grads = {"d_gate_up": (dgu, x), "d_down": (g, hw)}
+    out = {"shape": name, "rows": R, "variants": {}}
+    refs = {}
+    for key, (a, b) in grads.items():
+        flops = 2 * R * a.shape[1] * b.shape[1]
+        refs[key] = torch._grouped_mm(a.t(), b, offs=offs)
+        out[f"grouped_mm_{key}_tflops"] = flops / timed(lambda: torch._grouped_mm(a.t(), b, offs=offs)) / 1e12
+    print(f"[{name}] weight gradients, {R} rows: grouped_mm d_gate_up {out['grouped_mm_d_gate_up_tflops']:.0f}, "
+          f"d_down {out['grouped_mm_d_down_tflops']:.0f} TFLOP/s", file=sys.stderr, flush=True)
+    for label, variant in variants.items():
+        res = {}
+        for key, (a, b) in grads.items():
+            got = torch.empty_like(refs[key])
+            launch = wgrad_launch(a, b, got, counts, variant)
+            launch()
+            torch.cuda.synchronize()
+            res[f"{key}_tflops"] = 2 * R * a.shape[1] * b.shape[1] / timed(launch) / 1e12
+            res[f"{key}_max_diff"] = (got.float() - refs[key].float()).abs().max().item()
+        out["variants"][label] = res
+        print(f"[{name}/wgrad {label}] d_gate_up {res['d_gate_up_tflops']:.0f}, d_down {res['d_down_tflops']:.0f} "
+              f"TFLOP/s (max diff {res['d_gate_up_max_diff']:.3g}, {res['d_down_max_diff']:.3g})",
+              file=sys.stderr, flush=True)
+    return out
 
 
 def run_shape(name: str, variants: dict) -> dict:
@@ -213,13 +300,18 @@ def run_shape(name: str, variants: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--wgrad-variants", nargs="*", default=list(WGRAD_VARIANTS), choices=list(WGRAD_VARIANTS),
+                   help="weight-gradient tile variants (none: skip the weight gradients)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
-    results = [run_shape(s, {v: VARIANTS[v] for v in args.variants}) for s in args.shapes]
+    results = [run_shape(s, {v: VARIANTS[v] for v in args.variants}) for s in args.shapes if args.variants]
+    wgrad = [run_wgrad(s, {v: WGRAD_VARIANTS[v] for v in args.wgrad_variants})
+             for s in args.shapes if args.wgrad_variants]
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "shapes": results}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "shapes": results, "weight_gradients": wgrad}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

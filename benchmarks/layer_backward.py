@@ -8,6 +8,7 @@ of a training step of each backend above the weights, and the bytes autograd sav
 
     python benchmarks/layer_backward.py --out results.json
     python benchmarks/layer_backward.py --cases dsv3_rank --profile
+    python benchmarks/layer_backward.py --cases dsv3_rank --trace     # every kernel of one step
 
 A case that runs out of GPU memory is reported as skipped and the run goes on: on one H200,
 ``dsv3_emulated8`` does (the reference's step, then eight ranks' worst-case workspaces of
@@ -104,7 +105,37 @@ def max_diff(parts: list[torch.Tensor], whole: torch.Tensor, chunk: int = 8) -> 
     return worst
 
 
-def run_case(name: str, ceil: dict, profile: bool, variant: str = "default") -> dict:
+def kernel_breakdown(step, top: int = 12) -> list[dict]:
+    """Device time of every kernel that one ``step()`` launches, by kernel name, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            row = rows.setdefault(event.name, {"kernel": event.name, "ms": 0.0, "calls": 0})
+            row["ms"] += event.time_range.elapsed_us() / 1e3
+            row["calls"] += 1
+    ranked = sorted(rows.values(), key=lambda r: -r["ms"])
+    rest = ranked[top:]
+    if rest:
+        ranked = ranked[:top] + [{"kernel": f"({len(rest)} others)", "ms": sum(r["ms"] for r in rest),
+                                  "calls": sum(r["calls"] for r in rest)}]
+    return ranked
+
+
+def log_breakdown(label: str, ranked: list[dict]) -> None:
+    total = sum(r["ms"] for r in ranked)
+    log(f"{label}: {total:.3f} ms of kernels")
+    for r in ranked:
+        log(f"    {r['ms']:8.3f} ms {r['calls']:5d} x  {r['kernel'][:110]}")
+
+
+def run_case(name: str, ceil: dict, profile: bool, variant: str = "default", trace: bool = False) -> dict:
     preset, experts, ranks = CASES[name]
     log(f"[{name}] building {preset} with {experts} experts, {ranks} rank(s) x {TOKENS} tokens")
     torch.manual_seed(0)
@@ -182,6 +213,11 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default") -> 
         f"{100 * roof / t_fused:.0f}% of roofline; peak {fused_peak / 2**30:.2f} GiB (workspaces "
         f"{workspace / 2**30:.2f} GiB, allocated once) vs {ref_peak / 2**30:.2f}; saved per token "
         f"{fused_saved / (TOKENS * ranks):.0f} B vs {ref_saved / (TOKENS * ranks):.0f} B; max diff {err}")
+    if trace:
+        result["reference_kernels"] = kernel_breakdown(ref_step)
+        result["fused_kernels"] = kernel_breakdown(fused_step)
+        log_breakdown(f"[{name}] reference step", result["reference_kernels"])
+        log_breakdown(f"[{name}/{variant}] fused step", result["fused_kernels"])
     if profile:
         for layer in layers:
             layer.fused().profile = torch.zeros(32, dtype=torch.int64, device="cuda")
@@ -203,6 +239,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
     parser.add_argument("--profile", action="store_true", help="also run a profiled step (per-task busy time)")
+    parser.add_argument("--trace", action="store_true", help="also list the kernels of one step of each backend")
     parser.add_argument("--variants", nargs="+", default=["default"], choices=list(VARIANTS),
                         help="tile variants of the fused layer to run on each case")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
@@ -215,7 +252,7 @@ def main() -> None:
         for variant in args.variants:
             failed = None
             try:
-                results["cases"].append(run_case(name, ceil, args.profile, variant))
+                results["cases"].append(run_case(name, ceil, args.profile, variant, args.trace))
             except torch.OutOfMemoryError as e:
                 failed = str(e).splitlines()[0]
             if failed:  # outside the handler: its traceback holds the case's tensors

@@ -41,8 +41,10 @@ FEED      claimed without a readiness check, in order: layout tiles (histogram o
           every copy each step).
 DWGU, DWD (local expert, row block, strip of ``WS`` column blocks) of ``dW[g;u]`` and ``dWd``:
           each output tile reduces over all of the expert's rows in slot order
-          (deterministic, no atomics); a strip is one flat pipelined loop. Ready when every
-          SwiGLU-backward tile of the expert is done; experts without rows write zeros.
+          (deterministic, no atomics); a strip is one flat pipelined loop, its operands read
+          by TMA where the launcher allows (``WG_TMA``: descriptors over the expert's rows,
+          made in the task). Ready when every SwiGLU-backward tile of the expert is done;
+          experts without rows write zeros.
 DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T x`` over the
           local tokens in order. Ready when every route-backward tile is done.
 
@@ -206,7 +208,7 @@ def expert_backward_kernel(
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
-    SAVED: tl.constexpr = 0,
+    SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -552,7 +554,8 @@ def expert_backward_kernel(
                                             tl.where(gu, d_gate_up_ptr + e.to(tl.int64) * 2 * I * H,
                                                      d_down_ptr + e.to(tl.int64) * H * I),
                                             n_rows_e, mb * BWM, sb * WS, tl.where(gu, 2 * I, H), tl.where(gu, H, I),
-                                            WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, (H % 16 == 0) & (I % 16 == 0))
+                                            WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, (H % 16 == 0) & (I % 16 == 0),
+                                            WG_TMA)
                         did = 8
                         q = -1
                         kind = 0

@@ -72,6 +72,43 @@ def tma_usable(tiles: Tiles, config: MoEConfig, dtype: torch.dtype, device: torc
     return all(w * es % 16 == 0 for w in widths)
 
 
+def row_tma_usable(tiles: BackwardTiles, config: MoEConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the backward reads its weight-gradient operands by TMA (``tiles.wgrad_tma``).
+
+    The kernel makes the descriptors itself, over each expert's rows of ``[R, 2I]``, ``[R, H]``
+    and ``[R, I]`` buffers: Hopper or later (the interpreter emulates it), and 16-byte row
+    strides, i.e. hidden and intermediate widths that are multiples of 16 bytes.
+    """
+    if not tiles.wgrad_tma:
+        return False
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        return False
+    return all(w * dtype.itemsize % 16 == 0 for w in (config.hidden_size, config.moe_intermediate_size))
+
+
+def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    # Triton asks for global scratch at each launch of a kernel that makes tensor descriptors
+    # on the device (128 bytes per descriptor and program); the caching allocator serves it.
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_triton_allocator() -> None:
+    """Give Triton an allocator for kernel scratch memory unless the caller already set one.
+
+    Triton keeps it in a context variable: autograd runs the backward on its own device
+    thread, where the caller's setting (if any) is not seen, so this runs before each launch.
+    """
+    import triton
+
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+    except ImportError:  # a Triton without the context variable: set ours
+        triton.set_allocator(_torch_scratch)
+        return
+    if isinstance(_allocator.get(), NullAllocator):
+        triton.set_allocator(_torch_scratch)
+
+
 def weight_descriptors(experts: nn.Module, shared_mlp: nn.Module | None, tiles: Tiles) -> tuple:
     """TMA descriptors of the routed and shared expert weights, in the forward kernel's order.
 
@@ -660,6 +697,8 @@ class FusedBackward(_PersistentLaunch):
                 d_router, d_gate_up, d_down, warmup: bool) -> None:
         call = self.kernel_call(tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                                 d_router, d_gate_up, d_down)
+        if call[2]["WG_TMA"] and tokens.device.type == "cuda":
+            ensure_triton_allocator()
         _run(*call, grid=(self.workers,), warmup=warmup, what=f"backward rank {self.fabric.rank} tokens {n}")
 
     def kernel_call(self, tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
@@ -678,6 +717,7 @@ class FusedBackward(_PersistentLaunch):
         kwargs = dict(
             **self._common_constexprs(tokens.dtype, on_gpu), **t.kernel_constants(),
             PROFILE=self.profile is not None, SAVED=self.saved,
+            WG_TMA=row_tma_usable(t, c, tokens.dtype, tokens.device),
         )
         return expert_backward_kernel, args, kwargs
 

@@ -178,10 +178,14 @@ class BackwardTiles:
     # forward+backward (DeepSeek-V3, 256 experts, H200).
     wgrad_strip: int = 16
     # Pipeline stages of the weight-gradient strips (both gradients share one loop, so one set
-    # of buffers: 3 stages take 96 KB of shared memory, 5 take 160 KB). 4 and 5 are untimed;
-    # the dx tiles gained 15% from 3 to 4, and at 3 these run at about 360 TFLOP/s (H200,
-    # DeepSeek-V3 one-rank view).
-    wgrad_stages: int = 3
+    # of buffers of 32 KB per stage). H200, forward+backward by pointer loads, 3 / 4 / 5
+    # stages: DeepSeek-V3 rank view 22.96 / 22.59 / 22.68 ms, Qwen3 rank view 9.41 / 9.22 / 9.31.
+    wgrad_stages: int = 4
+    # Weight-gradient operands by TMA (descriptors over each expert's rows, made in the task)
+    # where the device and the row strides allow it, else by pointer loads. Plain grid on the
+    # H200 (benchmarks/gemm_tiles.py, DeepSeek-V3 rank view, 128 x 128, 4 stages): dW[g;u]
+    # about 560 vs 400 TFLOP/s by pointers, torch._grouped_mm 700.
+    wgrad_tma: bool = True
 
     def __post_init__(self) -> None:
         if self.swiglu_cols % self.recompute_cols:

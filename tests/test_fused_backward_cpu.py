@@ -181,6 +181,28 @@ def test_backward_skewed_routing(world):
     run_world(world, check_cases, items, env=INTERPRET)
 
 
+def check_weight_gradient_operands(rank, world, items, tma):
+    import dataclasses
+
+    from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
+
+    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma)
+    check_cases(rank, world, items, backward_tiles=tiles)
+    from kosmos_moe.fused import row_tma_usable
+
+    _, fused = build(rank, world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
+    launch = fused.fused().backward
+    assert row_tma_usable(launch.tiles, launch.config, torch.float32, torch.device("cpu")) is tma
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer_operands", "tma_operands"])
+def test_backward_weight_gradient_operands(tma):
+    """Weight gradients with their operands by pointer loads (pre-Hopper GPUs, unaligned
+    widths) and by TMA (the default here: the interpreter emulates it); the one_rank skew
+    leaves the first rank's experts without rows, whose gradients must be zeros."""
+    run_world(2, check_weight_gradient_operands, [("softmax_shared", "one_rank")], tma, env=INTERPRET)
+
+
 def check_kept_rows(rank, world, items, save_gate_up):
     from kosmos_moe.fused import SAVED_NONE, SAVED_SOME
 

@@ -78,3 +78,28 @@ def check_tiles(rank, world, tma):
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer_weights", "tma_weights"])
 def test_tiles_match_torch(tma):
     run_world(1, check_tiles, tma, env=INTERPRET)
+
+
+def check_weight_gradient_strips(rank, world, tma):
+    import torch
+    import triton.language as tl
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import gemm_tiles as g
+
+    torch.manual_seed(0)
+    # Expert 1 has no rows (its gradient must be written as zeros over the garbage below);
+    # 37 and 21 rows leave partial 16-row steps; M = 48 and N = 80 leave a strip of two
+    # 16-column blocks and a partial last strip, so blocks cross strip boundaries.
+    counts = torch.tensor([37, 0, 21])
+    M, N = 48, 80
+    a, b = torch.randn(int(counts.sum()), M), torch.randn(int(counts.sum()), N)
+    out = torch.full((3, M, N), float("nan"))
+    g.wgrad_launch(a, b, out, counts, (16, 16, 16, 1, 2, 1, tma), tl.float32)()
+    want = torch.stack([a[:37].T @ b[:37], torch.zeros(M, N), a[37:].T @ b[37:]])
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer_operands", "tma_operands"])
+def test_weight_gradient_strips_match_torch(tma):
+    run_world(1, check_weight_gradient_strips, tma, env=INTERPRET)
