@@ -58,6 +58,9 @@ VARIANTS = {
     "wgrad_k32_stages4": _backward_tiles(wgrad_depth=32, wgrad_stages=4),
     "wgrad_stages4": _backward_tiles(wgrad_stages=4),
     "wgrad_stages5": _backward_tiles(wgrad_stages=5),
+    "wgrad_pointers": _backward_tiles(wgrad_tma=False),
+    "tile_pointers": _backward_tiles(tile_tma=False),
+    "wgrad_stages3": _backward_tiles(wgrad_stages=3),
 }
 
 

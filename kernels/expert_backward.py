@@ -154,13 +154,13 @@ def kept_half_epilogue(dh1, kept, wgt, r64, row_ok, n0, hw, dgu, I: tl.constexpr
 def kept_swiglu_backward(
     g_ptr, n_rows, w_down_ptr, kept, wgt, r64, row_ok, n0, hw, dgu,
     H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
 ):
     """A SwiGLU-backward tile whose rows' gate and up projections the forward kept (``kept``:
     one pointer per row): ``dh' = g @ Wd[:, n0:n0+BN]`` is its only GEMM. The epilogue runs in
     two column halves, so that fewer whole tiles are live at once (offline sm_90: 2,796 ->
     784 B of spills, H200: 2.94 -> 2.24 ms busy per worker, DeepSeek-V3 one-rank view)."""
-    dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES)
+    dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA)
     lo, hi = tl.split(tl.permute(tl.reshape(dh1, [BM, 2, BN // 2]), (0, 2, 1)))
     part = kept_half_epilogue(lo, kept, wgt, r64, row_ok, n0, hw, dgu, I, BN // 2)
     return part + kept_half_epilogue(hi, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 2)
@@ -208,7 +208,7 @@ def expert_backward_kernel(
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
-    SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False,
+    SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -313,7 +313,7 @@ def expert_backward_kernel(
                         n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
                         acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
                                                      w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
-                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, DX_STAGES)
+                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, DX_STAGES, TILE_TMA)
                         rows = row0 + tl.arange(0, BM)
                         row_ok = tl.arange(0, BM) < n_rows
                         src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
@@ -413,14 +413,15 @@ def expert_backward_kernel(
                         g_rows = recv_g + row0.to(tl.int64) * H
                         if SAVED == SAVED_ALL:
                             part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw,
-                                                        dgu, H, I, BM, BN_DH, BK, DOT_DTYPE, DX_STAGES)
+                                                        dgu, H, I, BM, BN_DH, BK, DOT_DTYPE, DX_STAGES, TILE_TMA)
                         else:
                             use_kept = False
                             if SAVED == SAVED_SOME:
                                 use_kept = (tl.max(tl.where(row_ok, fwd, 0), axis=0) < save_cap) & (save_cap > 0)
                             if use_kept:
                                 part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
-                                                            hw, dgu, H, I, BM, BN_DH, BK, DOT_DTYPE, DX_STAGES)
+                                                            hw, dgu, H, I, BM, BN_DH, BK, DOT_DTYPE, DX_STAGES,
+                                                            TILE_TMA)
                             else:
                                 w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
                                 part = recomputed_swiglu_backward(recv_x + rows.to(tl.int64) * H,

@@ -136,9 +136,15 @@ def rows_times_weight_tile(
     a_ptr, n_rows, w_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr = False,
 ):
-    """Return the fp32 tile ``a[:BM] @ W[:, n0:n0+BN]`` for a row-major ``W`` ``[K_DIM, N_DIM]``."""
+    """Return the fp32 tile ``a[:BM] @ W[:, n0:n0+BN]`` for a row-major ``W`` ``[K_DIM, N_DIM]``
+    and ``n_rows >= 1`` contiguous rows of ``a``.
+
+    ``TMA``: both operands through descriptors made here (``a`` over exactly ``n_rows`` rows,
+    so the copy engine zero-fills the rest of the tile); needs 16-byte aligned bases and row
+    strides (see ``row_reduction_strip``).
+    """
     rows = tl.arange(0, BM)
     cols = n0 + tl.arange(0, BN)
     ks = tl.arange(0, BK)
@@ -146,11 +152,19 @@ def rows_times_weight_tile(
     col_ok = cols < N_DIM
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * K_DIM
     w_cols = w_ptr + cols[None, :]
+    if TMA:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K_DIM, N_DIM], strides=[N_DIM, 1], block_shape=[BK, BN])
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
-        k_ok = (k0 + ks) < K_DIM
-        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_cols + (k0 + ks).to(tl.int64)[:, None] * N_DIM, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if TMA:
+            a = a_desc.load([0, k0])
+            b = w_desc.load([k0, n0])
+        else:
+            k_ok = (k0 + ks) < K_DIM
+            a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_cols + (k0 + ks).to(tl.int64)[:, None] * N_DIM, mask=k_ok[:, None] & col_ok[None, :],
+                        other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
     return acc
 

@@ -72,15 +72,14 @@ def tma_usable(tiles: Tiles, config: MoEConfig, dtype: torch.dtype, device: torc
     return all(w * es % 16 == 0 for w in widths)
 
 
-def row_tma_usable(tiles: BackwardTiles, config: MoEConfig, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the backward reads its weight-gradient operands by TMA (``tiles.wgrad_tma``).
+def backward_tma_usable(config: MoEConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the backward kernel may read GEMM operands by TMA (``BackwardTiles.wgrad_tma``,
+    ``tile_tma``).
 
-    The kernel makes the descriptors itself, over each expert's rows of ``[R, 2I]``, ``[R, H]``
-    and ``[R, I]`` buffers: Hopper or later (the interpreter emulates it), and 16-byte row
-    strides, i.e. hidden and intermediate widths that are multiples of 16 bytes.
+    The kernel makes the descriptors itself, over an expert's rows of ``[R, 2I]``, ``[R, H]``
+    and ``[R, I]`` buffers and over its weights: Hopper or later (the interpreter emulates it),
+    and 16-byte row strides, i.e. hidden and intermediate widths that are multiples of 16 bytes.
     """
-    if not tiles.wgrad_tma:
-        return False
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
         return False
     return all(w * dtype.itemsize % 16 == 0 for w in (config.hidden_size, config.moe_intermediate_size))
@@ -697,7 +696,7 @@ class FusedBackward(_PersistentLaunch):
                 d_router, d_gate_up, d_down, warmup: bool) -> None:
         call = self.kernel_call(tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                                 d_router, d_gate_up, d_down)
-        if call[2]["WG_TMA"] and tokens.device.type == "cuda":
+        if (call[2]["WG_TMA"] or call[2]["TILE_TMA"]) and tokens.device.type == "cuda":
             ensure_triton_allocator()
         _run(*call, grid=(self.workers,), warmup=warmup, what=f"backward rank {self.fabric.rank} tokens {n}")
 
@@ -707,6 +706,7 @@ class FusedBackward(_PersistentLaunch):
         from kosmos_moe.kernels.expert_backward import expert_backward_kernel
 
         c, t = self.config, self.tiles
+        tma = backward_tma_usable(c, tokens.dtype, tokens.device)
         args = (
             tokens, grad_out, dx, top_e, top_w, n, saved.values, saved.slots, saved.rows,
             router_weight, float(c.routed_scaling_factor), gate_up_proj, down_proj,
@@ -717,7 +717,7 @@ class FusedBackward(_PersistentLaunch):
         kwargs = dict(
             **self._common_constexprs(tokens.dtype, on_gpu), **t.kernel_constants(),
             PROFILE=self.profile is not None, SAVED=self.saved,
-            WG_TMA=row_tma_usable(t, c, tokens.dtype, tokens.device),
+            WG_TMA=t.wgrad_tma and tma, TILE_TMA=t.tile_tma and tma,
         )
         return expert_backward_kernel, args, kwargs
 

@@ -182,10 +182,13 @@ class BackwardTiles:
     # stages: DeepSeek-V3 rank view 22.96 / 22.59 / 22.68 ms, Qwen3 rank view 9.41 / 9.22 / 9.31.
     wgrad_stages: int = 4
     # Weight-gradient operands by TMA (descriptors over each expert's rows, made in the task)
-    # where the device and the row strides allow it, else by pointer loads. Plain grid on the
+    # where kosmos_moe.fused.backward_tma_usable allows, else by pointer loads. Plain grid on the
     # H200 (benchmarks/gemm_tiles.py, DeepSeek-V3 rank view, 128 x 128, 4 stages): dW[g;u]
     # about 560 vs 400 TFLOP/s by pointers, torch._grouped_mm 700.
     wgrad_tma: bool = True
+    # The dx tiles' and (kept-projection) SwiGLU-backward tiles' rows and weight blocks by TMA,
+    # descriptors made in the task, where kosmos_moe.fused.backward_tma_usable allows.
+    tile_tma: bool = True
 
     def __post_init__(self) -> None:
         if self.swiglu_cols % self.recompute_cols:

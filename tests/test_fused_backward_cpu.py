@@ -181,26 +181,27 @@ def test_backward_skewed_routing(world):
     run_world(world, check_cases, items, env=INTERPRET)
 
 
-def check_weight_gradient_operands(rank, world, items, tma):
+def check_gemm_operands(rank, world, items, tma):
     import dataclasses
 
     from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
 
-    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma)
+    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma)
     check_cases(rank, world, items, backward_tiles=tiles)
-    from kosmos_moe.fused import row_tma_usable
+    from kosmos_moe.fused import backward_tma_usable
 
     _, fused = build(rank, world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
-    assert row_tma_usable(launch.tiles, launch.config, torch.float32, torch.device("cpu")) is tma
+    assert backward_tma_usable(launch.config, torch.float32, torch.device("cpu"))
+    assert launch.tiles.wgrad_tma is tma and launch.tiles.tile_tma is tma
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer_operands", "tma_operands"])
-def test_backward_weight_gradient_operands(tma):
-    """Weight gradients with their operands by pointer loads (pre-Hopper GPUs, unaligned
-    widths) and by TMA (the default here: the interpreter emulates it); the one_rank skew
-    leaves the first rank's experts without rows, whose gradients must be zeros."""
-    run_world(2, check_weight_gradient_operands, [("softmax_shared", "one_rank")], tma, env=INTERPRET)
+def test_backward_gemm_operands(tma):
+    """The backward's GEMM operands by pointer loads (pre-Hopper GPUs, unaligned widths) and by
+    TMA (the default here: the interpreter emulates it); the one_rank skew leaves the first
+    rank's experts without rows, whose weight gradients must be zeros."""
+    run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, env=INTERPRET)
 
 
 def check_kept_rows(rank, world, items, save_gate_up):
