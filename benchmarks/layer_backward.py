@@ -59,7 +59,7 @@ VARIANTS = {
     "wgrad_stages4": _backward_tiles(wgrad_stages=4),
     "wgrad_stages5": _backward_tiles(wgrad_stages=5),
     "wgrad_pointers": _backward_tiles(wgrad_tma=False),
-    "tile_pointers": _backward_tiles(tile_tma=False),
+    "tile_tma": _backward_tiles(tile_tma=True),
     "wgrad_stages3": _backward_tiles(wgrad_stages=3),
 }
 

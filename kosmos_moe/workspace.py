@@ -187,8 +187,10 @@ class BackwardTiles:
     # about 560 vs 400 TFLOP/s by pointers, torch._grouped_mm 700.
     wgrad_tma: bool = True
     # The dx tiles' and (kept-projection) SwiGLU-backward tiles' rows and weight blocks by TMA,
-    # descriptors made in the task, where kosmos_moe.fused.backward_tma_usable allows.
-    tile_tma: bool = True
+    # descriptors made in the task, where kosmos_moe.fused.backward_tma_usable allows. Off: on
+    # the H200 it made them slower (busy ms per worker, pointer loads vs TMA, DeepSeek-V3 rank
+    # view: dx 3.74 vs 3.85, SwiGLU backward 2.26 vs 2.28; 256 experts: dx 6.22 vs 6.71).
+    tile_tma: bool = False
 
     def __post_init__(self) -> None:
         if self.swiglu_cols % self.recompute_cols:
