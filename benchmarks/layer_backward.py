@@ -61,6 +61,10 @@ VARIANTS = {
     "wgrad_pointers": _backward_tiles(wgrad_tma=False),
     "tile_tma": _backward_tiles(tile_tma=True),
     "wgrad_stages3": _backward_tiles(wgrad_stages=3),
+    # 128 x 256 weight-gradient tiles (642 vs 556 TFLOP/s in gemm_tiles.py's plain grid, H200),
+    # which compile without wgmma serialization only beside 64 x 64 router-gradient tiles
+    # (offline sm_90 spills: 2,528 B one rank, 7,012 B an EP=2 rank, against 1,248 and 2,820).
+    "wgrad_cols256": _backward_tiles(wgrad_cols=256, wgrad_stages=3, router_grad_rows=64, router_grad_cols=64),
 }
 
 

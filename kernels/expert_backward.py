@@ -46,7 +46,7 @@ DWGU, DWD (local expert, row block, strip of ``WS`` column blocks) of ``dW[g;u]`
           made in the task). Ready when every SwiGLU-backward tile of the expert is done;
           experts without rows write zeros.
 DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T x`` over the
-          local tokens in order. Ready when every route-backward tile is done.
+          local tokens in order, in BRM x BRN tiles of fp32 operands. Ready when every route-backward tile is done.
 
 Claiming and why it cannot deadlock: as in the forward (kernels.expert_forward). FOLD, DH,
 DX, RBWD, DWGU/DWD (one ticket for both, dW[g;u] first) and DWR are taken by ticket and run
@@ -203,7 +203,8 @@ def expert_backward_kernel(
     B_COMB: tl.constexpr,
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
     BN_DH: tl.constexpr, BN_RC: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BWM: tl.constexpr,
-    BWN: tl.constexpr, WS: tl.constexpr, BHR: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
+    BWN: tl.constexpr, WS: tl.constexpr, BRM: tl.constexpr, BRN: tl.constexpr, BHR: tl.constexpr, BTF: tl.constexpr,
+    BHF: tl.constexpr, STAGES: tl.constexpr,
     DX_STAGES: tl.constexpr, WG_STAGES: tl.constexpr,
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
@@ -220,12 +221,13 @@ def expert_backward_kernel(
     N_WGU_N: tl.constexpr = (H + BWN - 1) // BWN
     N_WD_M: tl.constexpr = (H + BWM - 1) // BWM
     N_WD_N: tl.constexpr = (I + BWN - 1) // BWN
-    N_WR_M: tl.constexpr = (E + BWM - 1) // BWM
+    N_WR_M: tl.constexpr = (E + BRM - 1) // BRM
+    N_WR_N: tl.constexpr = (H + BRN - 1) // BRN
     N_WGU_S: tl.constexpr = (N_WGU_N + WS - 1) // WS   # strips of WS column blocks per task
     N_WD_S: tl.constexpr = (N_WD_N + WS - 1) // WS
     n_dwgu = E_L * N_WGU_M * N_WGU_S
     n_dwd = E_L * N_WD_M * N_WD_S
-    n_dwr = N_WR_M * N_WGU_N
+    n_dwr = N_WR_M * N_WR_N
 
     ctl = peer_ptr(peers_ptr, me, 0, tl.int32)
     heads = ctl + C_HEADS
@@ -570,12 +572,12 @@ def expert_backward_kernel(
                 if q >= 0:
                     if tl.atomic_add(ctl + C_RB_DONE, 0, sem="acquire", scope="gpu") == n_lt:
                         tl.debug_barrier()
-                        mb = q // N_WGU_N
-                        nb = q % N_WGU_N
-                        mcols = mb * BWM + tl.arange(0, BWM)
-                        ncols = nb * BWN + tl.arange(0, BWN)
+                        mb = q // N_WR_N
+                        nb = q % N_WR_N
+                        mcols = mb * BRM + tl.arange(0, BRM)
+                        ncols = nb * BRN + tl.arange(0, BRN)
                         rr = tl.arange(0, BKW)
-                        acc = tl.zeros([BWM, BWN], dtype=tl.float32)
+                        acc = tl.zeros([BRM, BRN], dtype=tl.float32)
                         for t0 in tl.range(0, n_tokens, BKW, num_stages=1):  # fp32 operands: one stage
                             toks = (t0 + rr).to(tl.int64)
                             ok = (t0 + rr) < n_tokens

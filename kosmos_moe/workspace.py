@@ -48,6 +48,11 @@ class Tiles:
     gate_up_cols: int = 128      # BN of the gate/up tiles (two accumulators)
     down_cols: int = 256         # BN of the down tiles: 554 vs 440 TFLOP/s at 128 (benchmarks/gemm_tiles.py, H200)
     depth: int = 64              # BK
+    # BRM x BRN: the router weight's gradient tiles (fp32 operands, tf32x3 dots on the GPU).
+    # Beside 128 x 256 weight-gradient tiles, 64 x 128 or larger ones make ptxas serialize
+    # every wgmma of the kernel (C7512, offline sm_90, Triton 3.6); 64 x 64 do not.
+    router_grad_rows: int = 128
+    router_grad_cols: int = 128
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
     stages: int = 3
@@ -167,6 +172,11 @@ class BackwardTiles:
     wgrad_depth: int = 64        # BKW: rows per step of a weight-gradient reduction
     wgrad_rows: int = 128        # BWM
     wgrad_cols: int = 128        # BWN
+    # BRM x BRN: the router weight's gradient tiles (fp32 operands, tf32x3 dots on the GPU).
+    # Beside 128 x 256 weight-gradient tiles, 64 x 128 or larger ones make ptxas serialize
+    # every wgmma of the kernel (C7512, offline sm_90, Triton 3.6); 64 x 64 do not.
+    router_grad_rows: int = 128
+    router_grad_cols: int = 128
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
     stages: int = 3
@@ -202,7 +212,8 @@ class BackwardTiles:
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols,
             BM=self.rows, BN_DH=self.swiglu_cols, BN_RC=self.recompute_cols, BN_DX=self.dx_cols, BK=self.depth,
-            BKW=self.wgrad_depth, BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip, BHR=self.route_cols,
+            BKW=self.wgrad_depth, BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip,
+            BRM=self.router_grad_rows, BRN=self.router_grad_cols, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, num_warps=self.warps,
         )
@@ -212,7 +223,8 @@ GPU_BACKWARD_TILES = BackwardTiles()
 # Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run.
 INTERPRETER_BACKWARD_TILES = BackwardTiles(
     route_tokens=16, route_depth=16, route_cols=16, dispatch_rows=16, dispatch_cols=32, rows=16, swiglu_cols=32,
-    recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16, fold_tokens=16,
+    recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16, router_grad_rows=16,
+    router_grad_cols=16, fold_tokens=16,
     fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2, wgrad_stages=1,
 )
 
