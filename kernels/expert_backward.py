@@ -43,7 +43,8 @@ DWGU, DWD (local expert, row block, strip of ``WS`` column blocks) of ``dW[g;u]`
           each output tile reduces over all of the expert's rows in slot order
           (deterministic, no atomics); a strip is one flat pipelined loop, its operands read
           by TMA where the launcher allows (``WG_TMA``: descriptors over the expert's rows,
-          made in the task). Ready when every SwiGLU-backward tile of the expert is done;
+          made in the task; on the GPU an async-proxy fence follows the readiness acquire,
+          since the rows were stored in this launch through the generic proxy). Ready when every SwiGLU-backward tile of the expert is done;
           experts without rows write zeros.
 DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T x`` over the
           local tokens in order, in BRM x BRN tiles of fp32 operands. Ready when every route-backward tile is done.
@@ -71,7 +72,7 @@ from .queues import (
 from .route import router_logits, routing_backward
 from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
-    peer_ptr, record_error, signal_add,
+    async_proxy_fence, peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
 
@@ -210,6 +211,7 @@ def expert_backward_kernel(
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
+    PROXY_FENCE: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -311,6 +313,8 @@ def expert_backward_kernel(
                     tile = pick(tile_start_el, el_idx, e) + m
                     if tl.atomic_add(ctl + C_DH_DONE + tile, 0, sem="acquire", scope="gpu") == N_IB:
                         tl.debug_barrier()
+                        if PROXY_FENCE & TILE_TMA:
+                            async_proxy_fence()
                         row0 = pick(row_start_el, el_idx, e) + m * BM
                         n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
                         acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
@@ -394,6 +398,8 @@ def expert_backward_kernel(
                                             sem="acquire", scope=SCOPE)
                     if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
                         tl.debug_barrier()
+                        if PROXY_FENCE & TILE_TMA:
+                            async_proxy_fence()
                         n_tiles_e = pick(tiles_el, el_idx, e)
                         local = q - first
                         ib = local // n_tiles_e
@@ -548,6 +554,8 @@ def expert_backward_kernel(
                     need = pick(tiles_el, el_idx, e) * N_IB
                     if tl.atomic_add(ctl + C_DH_EXP + e, 0, sem="acquire", scope="gpu") == need:
                         tl.debug_barrier()
+                        if PROXY_FENCE & WG_TMA:
+                            async_proxy_fence()
                         r0 = pick(row_start_el, el_idx, e).to(tl.int64)
                         # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h] (kind 1) and
                         # dWd[h, i] = sum_rows g[row, h] (w h)[row, i] (kind 2), in one loop.

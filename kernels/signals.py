@@ -5,7 +5,9 @@ Protocol (DESIGN.md invariant 3): a producer stores its data from every thread, 
 atomics, then ``tl.debug_barrier()``, then loads. The barrier after the poll makes the acquire
 observed by the polling threads order the loads of every thread of the program.
 
-Only ``tl.atomic_*`` are used, so the interpreter runs the same code as the GPU.
+Only ``tl.atomic_*`` are used, so the interpreter runs the same code as the GPU. The one
+exception is ``async_proxy_fence``, for a consumer that reads by TMA: the launcher compiles it
+in on the GPU only.
 """
 
 import triton
@@ -51,6 +53,15 @@ def peer_ptr(peers_ptr, rank, byte_offset, DTYPE: tl.constexpr):
     ELEM: tl.constexpr = DTYPE.primitive_bitwidth // 8
     base = tl.multiple_of(peer_base(peers_ptr, rank).to(tl.pointer_type(DTYPE)), WORKSPACE_ALIGN)
     return base + byte_offset // ELEM
+
+
+@triton.jit
+def async_proxy_fence():
+    """After a consumer's acquire and barrier, before its TMA reads of data other workers or
+    ranks stored: the acquire orders the generic proxy only, and the copy engine reads through
+    the async proxy (PTX: ``fence.proxy.async`` orders the two for the executing thread)."""
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
 
 
 @triton.jit
