@@ -415,3 +415,29 @@ def check_only_shared_trains(rank, world, case):
 
 def test_only_shared_experts_train():
     run_world(2, check_only_shared_trains, "softmax_shared", env=INTERPRET)
+
+
+def test_triton_allocator_set_only_when_missing():
+    """The backward's device-made descriptors need Triton's scratch allocator: the launcher
+    supplies one where none is set (autograd's device thread starts with none) and leaves a
+    caller's own alone. Run in a copy of the context, so no other test sees either."""
+    import contextvars
+
+    import triton
+    from triton.runtime import _allocation
+
+    from kosmos_moe.fused import _torch_scratch, ensure_triton_allocator
+
+    def body():
+        triton.set_allocator(_allocation.NullAllocator())
+        ensure_triton_allocator()
+        assert _allocation._allocator.get() is _torch_scratch
+
+        def callers_own(size, alignment, stream):
+            raise AssertionError("not called here")
+
+        triton.set_allocator(callers_own)
+        ensure_triton_allocator()
+        assert _allocation._allocator.get() is callers_own
+
+    contextvars.copy_context().run(body)
