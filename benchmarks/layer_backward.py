@@ -65,6 +65,7 @@ VARIANTS = {
     # which compile without wgmma serialization only beside 64 x 64 router-gradient tiles
     # (offline sm_90 spills: 2,528 B one rank, 7,012 B an EP=2 rank, against 1,248 and 2,820).
     "wgrad_cols256": _backward_tiles(wgrad_cols=256, wgrad_stages=3, router_grad_rows=64, router_grad_cols=64),
+    "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
 }
 
 

@@ -281,6 +281,7 @@ def row_reduction_strip(
     a_ptr, b_ptr, out_ptr, n_rows, m0, blk0, M_DIM, N_DIM,
     STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ALIGNED: tl.constexpr, TMA: tl.constexpr = False,
+    TMA_STORE: tl.constexpr = False,
 ):
     """``out[m0:m0+BM, n-block] = a[:n_rows, m0:m0+BM]^T @ b[:n_rows, n-block]`` for ``STRIP``
     consecutive ``BN``-column blocks from ``blk0`` (fewer at the right edge).
@@ -303,6 +304,8 @@ def row_reduction_strip(
     on addresses and masks. On the H200 (``benchmarks/gemm_tiles.py``'s plain grid, DeepSeek-V3
     rank view, 128 x 128 blocks, 4 stages) that took dW[g;u] from about 400 to 560 TFLOP/s.
     A descriptor cannot have zero rows: ``n_rows == 0`` stores the zeros directly.
+    ``TMA_STORE`` (with ``TMA``) also writes each finished block through a descriptor over
+    ``out``: the copy engine takes the block from shared memory while the loop goes on.
     """
     if ALIGNED:
         M_DIM = tl.multiple_of(M_DIM, 16)
@@ -328,6 +331,9 @@ def row_reduction_strip(
         if TMA:
             a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M_DIM], strides=[M_DIM, 1], block_shape=[BK, BM])
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N_DIM], strides=[N_DIM, 1], block_shape=[BK, BN])
+            if TMA_STORE:
+                o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M_DIM, N_DIM], strides=[N_DIM, 1],
+                                                   block_shape=[BM, BN])
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for i in tl.range(0, n_blocks * steps, num_stages=STAGES):
             blk = blk0 + i // steps
@@ -345,6 +351,9 @@ def row_reduction_strip(
                             other=0.0)
             acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
             if s == steps - 1:
-                out = out_ptr + mcols.to(tl.int64)[:, None] * N_DIM + ncols[None, :]
-                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (ncols < N_DIM)[None, :])
+                if TMA and TMA_STORE:
+                    o_desc.store([m0, blk * BN], acc.to(out_ptr.dtype.element_ty))
+                else:
+                    out = out_ptr + mcols.to(tl.int64)[:, None] * N_DIM + ncols[None, :]
+                    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (ncols < N_DIM)[None, :])
                 acc = tl.zeros([BM, BN], dtype=tl.float32)

@@ -717,7 +717,7 @@ class FusedBackward(_PersistentLaunch):
         kwargs = dict(
             **self._common_constexprs(tokens.dtype, on_gpu), **t.kernel_constants(),
             PROFILE=self.profile is not None, SAVED=self.saved,
-            WG_TMA=t.wgrad_tma and tma, TILE_TMA=t.tile_tma and tma,
+            WG_TMA=t.wgrad_tma and tma, TILE_TMA=t.tile_tma and tma, WG_TMA_STORE=t.wgrad_tma_store,
             # The interpreter has no inline assembly, and no proxies to order.
             PROXY_FENCE=self.fabric.device.type == "cuda" if on_gpu is None else on_gpu,
         )

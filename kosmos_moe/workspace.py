@@ -196,6 +196,9 @@ class BackwardTiles:
     # H200 (benchmarks/gemm_tiles.py, DeepSeek-V3 rank view, 128 x 128, 4 stages): dW[g;u]
     # about 560 vs 400 TFLOP/s by pointers, torch._grouped_mm 700.
     wgrad_tma: bool = True
+    # With wgrad_tma, each finished weight-gradient block also leaves by TMA (untimed in the
+    # fused kernel; a plain-grid probe at 1,024 rows per expert gained 1-2%).
+    wgrad_tma_store: bool = False
     # The dx tiles' and (kept-projection) SwiGLU-backward tiles' rows and weight blocks by TMA,
     # descriptors made in the task, where kosmos_moe.fused.backward_tma_usable allows. Off: on
     # the H200 it made them slower (busy ms per worker, pointer loads vs TMA, DeepSeek-V3 rank
