@@ -33,11 +33,12 @@ from kosmos_moe.fabric import EmulatedWorld
 from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES
 
 # Variants (--variants): the fused layer's options (``FusedForward``'s keyword arguments) that
-# differ from the default. The backward reads its weights by plain loads: TMA weight blocks
-# made its SwiGLU-backward and dx tiles slower on the H200 (8.8 vs 8.2 and 5.1 vs 4.8 ms per
-# worker, DeepSeek-V3 one-rank view). The tile variants change one backward tile size each;
-# those that an offline sm_90 compile showed to serialize the kernel's wgmma for lack of
-# registers (ptxas C7512: 128 x 256 or 256 x 128 weight-gradient tiles, 128-column
+# differ from the default. The backward's dx and SwiGLU-backward tiles read their weights by
+# plain loads: TMA weight blocks made them slower on the H200 (8.8 vs 8.2 and 5.1 vs 4.8 ms
+# per worker, DeepSeek-V3 one-rank view), and so did TMA for both operands (``tile_tma``).
+# The tile variants change one backward tile size each; those that an offline sm_90 compile
+# showed to serialize the kernel's wgmma for lack of registers (ptxas C7512: 128 x 256 or
+# 256 x 128 weight-gradient tiles beside the default router-gradient tiles, 128-column
 # SwiGLU-backward tiles with three accumulators, recompute_cols=128) or to need more than
 # 227 KB of shared memory (4 stages at depth 64 or 32) are left out. ``recompute`` keeps no
 # gate/up projections in the forward (``save_gate_up=0``): the backward redoes them.
@@ -56,11 +57,10 @@ VARIANTS = {
     "dx_stages3": _backward_tiles(dx_stages=3),
     "depth32": _backward_tiles(depth=32),
     "wgrad_k32_stages4": _backward_tiles(wgrad_depth=32, wgrad_stages=4),
-    "wgrad_stages4": _backward_tiles(wgrad_stages=4),
+    "wgrad_stages3": _backward_tiles(wgrad_stages=3),
     "wgrad_stages5": _backward_tiles(wgrad_stages=5),
     "wgrad_pointers": _backward_tiles(wgrad_tma=False),
     "tile_tma": _backward_tiles(tile_tma=True),
-    "wgrad_stages3": _backward_tiles(wgrad_stages=3),
     # 128 x 256 weight-gradient tiles (642 vs 556 TFLOP/s in gemm_tiles.py's plain grid, H200),
     # which compile without wgmma serialization only beside 64 x 64 router-gradient tiles
     # (offline sm_90 spills: 2,528 B one rank, 7,012 B an EP=2 rank, against 1,248 and 2,820).

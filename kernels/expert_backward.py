@@ -44,10 +44,11 @@ DWGU, DWD (local expert, row block, strip of ``WS`` column blocks) of ``dW[g;u]`
           (deterministic, no atomics); a strip is one flat pipelined loop, its operands read
           by TMA where the launcher allows (``WG_TMA``: descriptors over the expert's rows,
           made in the task; on the GPU an async-proxy fence follows the readiness acquire,
-          since the rows were stored in this launch through the generic proxy). Ready when every SwiGLU-backward tile of the expert is done;
-          experts without rows write zeros.
+          since the rows were stored in this launch through the generic proxy). Ready when
+          every SwiGLU-backward tile of the expert is done; experts without rows write zeros.
 DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T x`` over the
-          local tokens in order, in BRM x BRN tiles of fp32 operands. Ready when every route-backward tile is done.
+          local tokens in order, in BRM x BRN tiles of fp32 operands. Ready when every
+          route-backward tile is done.
 
 Claiming and why it cannot deadlock: as in the forward (kernels.expert_forward). FOLD, DH,
 DX, RBWD, DWGU/DWD (one ticket for both, dW[g;u] first) and DWR are taken by ticket and run

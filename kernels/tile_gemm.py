@@ -277,6 +277,13 @@ def down_tile_tma_w(
 
 
 @triton.jit
+def _store_block(out_ptr, mcols, m_ok, ncols, N_DIM, block):
+    """``out[mcols, ncols] = block`` in ``out``'s dtype, inside ``[M_DIM, N_DIM]`` (``m_ok``)."""
+    tl.store(out_ptr + mcols.to(tl.int64)[:, None] * N_DIM + ncols[None, :], block.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & (ncols < N_DIM)[None, :])
+
+
+@triton.jit
 def row_reduction_strip(
     a_ptr, b_ptr, out_ptr, n_rows, m0, blk0, M_DIM, N_DIM,
     STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
@@ -324,9 +331,7 @@ def row_reduction_strip(
         zeros_only = n_rows == 0
     if zeros_only:
         for blk in range(blk0, blk0 + n_blocks):
-            ncols = blk * BN + nn
-            tl.store(out_ptr + mcols.to(tl.int64)[:, None] * N_DIM + ncols[None, :],
-                     tl.zeros([BM, BN], dtype=out_ptr.dtype.element_ty), mask=m_ok[:, None] & (ncols < N_DIM)[None, :])
+            _store_block(out_ptr, mcols, m_ok, blk * BN + nn, N_DIM, tl.zeros([BM, BN], dtype=tl.float32))
     else:
         if TMA:
             a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M_DIM], strides=[M_DIM, 1], block_shape=[BK, BM])
@@ -354,6 +359,5 @@ def row_reduction_strip(
                 if TMA and TMA_STORE:
                     o_desc.store([m0, blk * BN], acc.to(out_ptr.dtype.element_ty))
                 else:
-                    out = out_ptr + mcols.to(tl.int64)[:, None] * N_DIM + ncols[None, :]
-                    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (ncols < N_DIM)[None, :])
+                    _store_block(out_ptr, mcols, m_ok, ncols, N_DIM, acc)
                 acc = tl.zeros([BM, BN], dtype=tl.float32)

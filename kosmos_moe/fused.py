@@ -57,19 +57,19 @@ _EMULATED_HINT = (
 )
 
 
-def tma_usable(tiles: Tiles, config: MoEConfig, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether the forward reads its weight blocks by TMA (``tiles.tma`` asks for it).
-
-    The copy engine needs Hopper or later (the interpreter emulates it) and 16-byte aligned
-    row strides, i.e. hidden and intermediate widths that are multiples of 16 bytes.
-    """
-    if not tiles.tma:
-        return False
+def _tma_ok(device: torch.device, dtype: torch.dtype, widths: tuple[int, ...]) -> bool:
+    # The copy engine needs Hopper or later (the interpreter emulates it) and 16-byte aligned
+    # row strides, i.e. widths that are multiples of 16 bytes.
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
         return False
-    es = dtype.itemsize
+    return all(w * dtype.itemsize % 16 == 0 for w in widths)
+
+
+def tma_usable(tiles: Tiles, config: MoEConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the forward reads its weight blocks by TMA (``tiles.tma`` asks for it): Hopper or
+    later and hidden, intermediate and shared widths that are multiples of 16 bytes."""
     widths = (config.hidden_size, config.moe_intermediate_size, config.shared_intermediate_size or 8)
-    return all(w * es % 16 == 0 for w in widths)
+    return tiles.tma and _tma_ok(device, dtype, widths)
 
 
 def backward_tma_usable(config: MoEConfig, dtype: torch.dtype, device: torch.device) -> bool:
@@ -77,12 +77,10 @@ def backward_tma_usable(config: MoEConfig, dtype: torch.dtype, device: torch.dev
     ``tile_tma``).
 
     The kernel makes the descriptors itself, over an expert's rows of ``[R, 2I]``, ``[R, H]``
-    and ``[R, I]`` buffers and over its weights: Hopper or later (the interpreter emulates it),
-    and 16-byte row strides, i.e. hidden and intermediate widths that are multiples of 16 bytes.
+    and ``[R, I]`` buffers and over its weights: Hopper or later and hidden and intermediate
+    widths that are multiples of 16 bytes.
     """
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-        return False
-    return all(w * dtype.itemsize % 16 == 0 for w in (config.hidden_size, config.moe_intermediate_size))
+    return _tma_ok(device, dtype, (config.hidden_size, config.moe_intermediate_size))
 
 
 def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -317,12 +315,17 @@ class _PersistentLaunch:
             self._constexprs[key] = self._build_constexprs(dtype, on_gpu)
         return self._constexprs[key]
 
+    def _targets_gpu(self, on_gpu: bool | None) -> bool:
+        """Whether the kernel is built for the GPU (else for the interpreter); ``on_gpu``
+        overrides the fabric's device (benchmarks/kernel_resources.py)."""
+        return self.fabric.device.type == "cuda" if on_gpu is None else on_gpu
+
     def _build_constexprs(self, dtype: torch.dtype, on_gpu: bool | None) -> dict:
         import triton.language as tl
 
         c, lay = self.config, self.layout
         world = self.fabric.world_size
-        interp = self.fabric.device.type != "cuda" if on_gpu is None else not on_gpu
+        interp = not self._targets_gpu(on_gpu)
         return dict(
             H=c.hidden_size, I=c.moe_intermediate_size, E=c.num_experts, E_L=c.num_experts // world,
             TOP_K=c.top_k, W=world, T_MAX=self.max_tokens, TILE_CAP=lay.tile_cap,
@@ -647,6 +650,19 @@ class FusedBackward(_PersistentLaunch):
         self.saved = saved
         self.warm = False  # compiled and loaded for this layer (warm_up)
 
+    def _build_constexprs(self, dtype: torch.dtype, on_gpu: bool | None) -> dict:
+        # Where the backward's GEMM operands come from: decided once per (dtype, target), as
+        # every other compile-time constant, not on every launch.
+        t = self.tiles
+        tma = backward_tma_usable(self.config, dtype, self.fabric.device)
+        return dict(
+            super()._build_constexprs(dtype, on_gpu),
+            WG_TMA=t.wgrad_tma and tma, WG_TMA_STORE=t.wgrad_tma and t.wgrad_tma_store and tma,
+            TILE_TMA=t.tile_tma and tma,
+            # The interpreter has no inline assembly, and no proxies to order.
+            PROXY_FENCE=self._targets_gpu(on_gpu),
+        )
+
     def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:
         return backward_layout(self.config, self.fabric.world_size, self.max_tokens, self.tiles, dtype)
 
@@ -706,7 +722,6 @@ class FusedBackward(_PersistentLaunch):
         from kosmos_moe.kernels.expert_backward import expert_backward_kernel
 
         c, t = self.config, self.tiles
-        tma = backward_tma_usable(c, tokens.dtype, tokens.device)
         args = (
             tokens, grad_out, dx, top_e, top_w, n, saved.values, saved.slots, saved.rows,
             router_weight, float(c.routed_scaling_factor), gate_up_proj, down_proj,
@@ -717,9 +732,6 @@ class FusedBackward(_PersistentLaunch):
         kwargs = dict(
             **self._common_constexprs(tokens.dtype, on_gpu), **t.kernel_constants(),
             PROFILE=self.profile is not None, SAVED=self.saved,
-            WG_TMA=t.wgrad_tma and tma, TILE_TMA=t.tile_tma and tma, WG_TMA_STORE=t.wgrad_tma_store,
-            # The interpreter has no inline assembly, and no proxies to order.
-            PROXY_FENCE=self.fabric.device.type == "cuda" if on_gpu is None else on_gpu,
         )
         return expert_backward_kernel, args, kwargs
 

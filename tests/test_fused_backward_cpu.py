@@ -188,12 +188,9 @@ def check_gemm_operands(rank, world, items, tma):
 
     tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma)
     check_cases(rank, world, items, backward_tiles=tiles)
-    from kosmos_moe.fused import backward_tma_usable
-
     _, fused = build(rank, world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
-    launch = fused.fused().backward
-    assert backward_tma_usable(launch.config, torch.float32, torch.device("cpu"))
-    assert launch.tiles.wgrad_tma is tma and launch.tiles.tile_tma is tma
+    consts = fused.fused().backward._common_constexprs(torch.float32)  # what each launch passes
+    assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is tma and consts["PROXY_FENCE"] is False
 
 
 @pytest.mark.parametrize("tma", [False, True], ids=["pointer_operands", "tma_operands"])
