@@ -189,7 +189,9 @@ def check_gemm_operands(rank, world, items, tma):
     tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma)
     check_cases(rank, world, items, backward_tiles=tiles)
     _, fused = build(rank, world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
-    consts = fused.fused().backward._common_constexprs(torch.float32)  # what each launch passes
+    launch = fused.fused().backward
+    launch.prepare(torch.float32)
+    consts = launch._common_constexprs(torch.float32)  # what each launch passes
     assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is tma and consts["PROXY_FENCE"] is False
 
 
