@@ -106,7 +106,7 @@ def kernel_calls(case: str, tiles, backward_tiles, tokens: int, ranks: int = 1) 
     top_w = torch.empty(tokens, c.top_k, dtype=torch.float32)
     d_router = torch.empty(layer.gate.weight.shape, dtype=torch.float32)
     gu, dn = layer.experts.gate_up_proj, layer.experts.down_proj
-    saved = fused._saved_gate_up(tokens, torch.bfloat16)
+    saved = fused._saved_gate_up(tokens, torch.bfloat16, layer.shared_experts is not None)
     return {
         "forward": fused.kernel_call(x, x, tokens, layer, on_gpu=True, saved=saved),
         "backward": fused.backward.kernel_call(x, x, x, top_e, top_w, tokens, saved, layer.gate.weight, gu, dn,

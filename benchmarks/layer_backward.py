@@ -49,6 +49,9 @@ def _backward_tiles(**changes) -> dict:
 VARIANTS = {
     "default": {},
     "recompute": {"save_gate_up": 0.0},
+    # The shared experts' backward redoes their forward under autograd (the default before
+    # their projections were kept).
+    "shared_recompute": {"save_shared": False},
     "saved_cols64": _backward_tiles(swiglu_cols=64),
     "pointer_weights": {"tiles": dataclasses.replace(GPU_TILES, tma=False)},
     "strip8": _backward_tiles(wgrad_strip=8),

@@ -35,7 +35,9 @@ FEED      route tiles, then the count exchange, then dispatch chunks (what every
                               receive buffer, then adds the row count to the destination's
                               arrival counter of (this source, that expert). Chunks are ordered
                               by local expert index, the order in which receivers consume them.
-SGATE_UP  the shared expert's gate/up tiles: always ready, so they fill idle time, last.
+SGATE_UP  the shared expert's gate/up tiles: always ready, so they fill idle time, last. A
+          training call also keeps their projections (``s_saved_ptr``, ``2 I_s`` wide) for
+          the shared experts' backward, which then redoes none of their forward GEMMs.
 
 Operands
 --------
@@ -107,7 +109,7 @@ from .signals import (
     ERR_COMBINE, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
     peer_ptr, record_error, signal_add,
 )
-from .tile_gemm import down_tile, down_tile_tma_w, gate_up_acc, gate_up_acc_tma, gate_up_tile, gate_up_tile_tma, store_swiglu
+from .tile_gemm import down_tile, down_tile_tma_w, gate_up_acc, gate_up_acc_tma, store_gate_up, store_swiglu
 
 # With PROFILE, every pass of a worker adds its nanoseconds to int64 slot ``kind`` of
 # ``profile_ptr`` and one to slot ``16 + kind``. Slot 0 is passes that found nothing ready.
@@ -173,10 +175,7 @@ def routed_gate_up_rows(
     cols = ib * BN_GU + tl.arange(0, BN_GU)
     store_swiglu(acc_g, acc_u, h_r + row0.to(tl.int64) * I, tl.arange(0, ROWS), cols, row_ok, I)
     if save_cap > 0:
-        keep = (row_ok & (rows < save_cap))[:, None] & (cols < I)[None, :]
-        at = saved_ptr + rows.to(tl.int64)[:, None] * (2 * I) + cols[None, :]
-        tl.store(at, acc_g.to(saved_ptr.dtype.element_ty), mask=keep)
-        tl.store(at + I, acc_u.to(saved_ptr.dtype.element_ty), mask=keep)
+        store_gate_up(acc_g, acc_u, saved_ptr, rows, cols, row_ok & (rows < save_cap), I)
         if ib == 0:
             tl.store(slot_ptr + src.to(tl.int64) * (T_MAX * TOP_K) + ent, rows, mask=row_ok)
 
@@ -215,9 +214,9 @@ def routed_down_rows(
 # Token count, rank, wait bound and saved rows are not specialised, so every rank of a world
 # and every call, training or not, runs one compiled kernel: loading a new module while a peer's persistent kernel spins
 # may wait for that kernel (CUDA lazy loading serialises module loads with running work).
-@triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap"])
+@triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap", "save_shared"])
 def expert_forward_kernel(
-    x_ptr, out_ptr, n_tokens, saved_ptr, slot_ptr, save_cap,
+    x_ptr, out_ptr, n_tokens, saved_ptr, slot_ptr, save_cap, s_saved_ptr, save_shared,
     router_w_ptr, bias_ptr, scale,
     w_gate_up_ptr, w_down_ptr, s_gate_ptr, s_up_ptr, s_down_ptr,
     w_gate_up_desc, w_down_desc, s_gate_desc, s_up_desc, s_down_desc,
@@ -469,12 +468,19 @@ def expert_forward_kernel(
                 m = g % n_tiles_s
                 t0 = m * BM
                 s_rows = x_ptr + (t0 + tl.arange(0, BM)).to(tl.int64) * H
+                n_rows = tl.minimum(n_tokens - t0, BM)
                 if TMA:
-                    gate_up_tile_tma(s_rows, tl.minimum(n_tokens - t0, BM), s_gate_desc, 0, s_up_desc, 0,
-                                     h_s + t0.to(tl.int64) * I_S, ib * BN_GU, H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                    acc_g, acc_u = gate_up_acc_tma(s_rows, n_rows, s_gate_desc, 0, s_up_desc, 0, ib * BN_GU,
+                                                   H, BM, BN_GU, BK, DOT_DTYPE, STAGES)
                 else:
-                    gate_up_tile(s_rows, tl.minimum(n_tokens - t0, BM), s_gate_ptr, s_up_ptr,
-                                 h_s + t0.to(tl.int64) * I_S, ib * BN_GU, H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                    acc_g, acc_u = gate_up_acc(s_rows, n_rows, s_gate_ptr, s_up_ptr, ib * BN_GU,
+                                               H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
+                rows = tl.arange(0, BM)
+                cols = ib * BN_GU + tl.arange(0, BN_GU)
+                store_swiglu(acc_g, acc_u, h_s + t0.to(tl.int64) * I_S, rows, cols, rows < n_rows, I_S)
+                if save_shared != 0:  # a training call: the shared experts' backward reads these
+                    store_gate_up(acc_g, acc_u, s_saved_ptr + t0.to(tl.int64) * (2 * I_S), rows, cols,
+                                  rows < n_rows, I_S)
                 signal_add(ctl + C_GU_DONE + TILE_CAP + m, 1, "gpu")
                 did = 6
 

@@ -21,6 +21,16 @@ def store_swiglu(acc_g, acc_u, h_ptr, rows, cols, row_ok, N_DIM: tl.constexpr):
 
 
 @triton.jit
+def store_gate_up(acc_g, acc_u, out_ptr, rows, cols, keep, N_DIM: tl.constexpr):
+    """Keep a gate/up tile's projections for the backward: ``out[rows] = [acc_g | acc_u]``
+    (rows ``2 N_DIM`` wide, gate first) where ``keep``, in ``out``'s dtype."""
+    mask = keep[:, None] & (cols < N_DIM)[None, :]
+    at = out_ptr + rows.to(tl.int64)[:, None] * (2 * N_DIM) + cols[None, :]
+    tl.store(at, acc_g.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(at + N_DIM, acc_u.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def gate_up_acc(
     a_rows, n_rows, w_gate_ptr, w_up_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,

@@ -88,3 +88,42 @@ class SharedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def shared_experts_backward(
+    shared: SharedExperts,
+    x: torch.Tensor,
+    grad_out: torch.Tensor,
+    gate_up: torch.Tensor,
+    dx: torch.Tensor | None,
+    need_x: bool,
+    need: dict[nn.Parameter, bool],
+) -> tuple[torch.Tensor | None, dict[nn.Parameter, torch.Tensor]]:
+    """The shared experts' gradients from their kept projections, without redoing their forward.
+
+    ``gate_up`` ``[T, 2 I_s]`` is ``[x Wg^T | x Wu^T]`` as the forward computed it. The
+    activation is recomputed elementwise; the GEMMs are ``dWd = G^T h``, ``dh = G Wd``,
+    ``dWg = dg^T x``, ``dWu = du^T x`` and ``dx += dg Wg + du Wu`` (added into ``dx`` in the
+    GEMMs' epilogue), each only if asked for. The elementwise steps are autograd's own for
+    :class:`SharedExperts`, in the activation dtype, so the gradients round as its do.
+    Returns ``dx`` (``None`` unless ``need_x``) and the weight gradients that ``need`` asks for.
+    """
+    wg, wu, wd = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+    grad_out = grad_out.to(x.dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate)
+    grads = {}
+    if need.get(wd, False):
+        grads[wd] = grad_out.t() @ (act * up)
+    if need_x or need.get(wg, False) or need.get(wu, False):
+        dh = grad_out @ wd
+        du = dh * act
+        dg = torch.ops.aten.silu_backward(dh * up, gate)
+        if need.get(wg, False):
+            grads[wg] = dg.t() @ x
+        if need.get(wu, False):
+            grads[wu] = du.t() @ x
+        if need_x:
+            dx = torch.addmm(dx, dg, wg) if dx is not None else dg @ wg
+            dx = torch.addmm(dx, du, wu)
+    return (dx if need_x else None), grads

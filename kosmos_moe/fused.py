@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import MoEConfig
 from .direct_launch import DirectLauncher
+from .experts import shared_experts_backward
 from .fabric import EmulatedFabric, EmulatedWorld, Fabric
 from .workspace import (
     GPU_BACKWARD_TILES, GPU_TILES, INTERPRETER_BACKWARD_TILES, INTERPRETER_TILES, BackwardTiles, Tiles,
@@ -148,11 +149,17 @@ class SavedGateUp:
     finds them. With one rank every row is kept (``T K`` rows); with several, the rank may
     receive up to ``W T min(K, E/W)`` rows, so only ``save_gate_up * T K`` are kept and the
     backward recomputes the projections of row tiles holding any other.
+
+    ``shared``, when the layer has shared experts and keeps theirs (``save_shared``), is
+    ``[T, 2 I_s]``: ``[x Wg^T | x Wu^T]`` of every token, from which their backward
+    (:func:`kosmos_moe.experts.shared_experts_backward`) takes its gradients without
+    redoing their forward.
     """
 
     values: torch.Tensor
     slots: torch.Tensor
     rows: int
+    shared: torch.Tensor | None = None
 
 
 class _HostRecords:
@@ -439,7 +446,10 @@ class FusedForward(_PersistentLaunch):
     backward's workspace is requested at the same time, so that a rank's first backward never
     allocates while its peers' kernels run. ``save_gate_up`` sets how many received rows'
     gate/up projections a training call keeps, per (token, choice) of this rank's batch
-    (:class:`SavedGateUp`); with one rank every row is kept, and 0 keeps none.
+    (:class:`SavedGateUp`); with one rank every row is kept, and 0 keeps none. With
+    ``save_shared`` a training call also keeps the shared experts' projections (``2 I_s``
+    values per token), so that their backward redoes no forward GEMM; without, it recomputes
+    their forward.
     """
 
     direction = "forward"
@@ -456,6 +466,7 @@ class FusedForward(_PersistentLaunch):
         backward: bool = False,
         backward_tiles: BackwardTiles | None = None,
         save_gate_up: float = 1.25,
+        save_shared: bool = True,
     ) -> None:
         on_gpu = fabric.device.type == "cuda"
         super().__init__(config, fabric, max_tokens, workers, tiles or (GPU_TILES if on_gpu else INTERPRETER_TILES),
@@ -467,6 +478,7 @@ class FusedForward(_PersistentLaunch):
         self.profile_slots = PROFILE_SLOTS
         self._warm = False
         self.save_gate_up = save_gate_up
+        self.save_shared = save_shared
         self.backward = FusedBackward(config, fabric, max_tokens, workers, backward_tiles, wait_bound, profile,
                                       saved=saved_mode(save_gate_up, fabric.world_size))
         self.backward_at_prepare = backward
@@ -503,7 +515,7 @@ class FusedForward(_PersistentLaunch):
                 self._warm_up(tokens if n > 0 else out, out, layer, with_backward)
                 # Ranks compile at their own pace; their first launches start together.
                 self.fabric.barrier()
-        saved = self._saved_gate_up(n, tokens.dtype) if keep_routing else None
+        saved = self._saved_gate_up(n, tokens.dtype, layer.shared_experts is not None) if keep_routing else None
         self._launch(tokens if n > 0 else out, out, n, layer, warmup=False, saved=saved)
         lay, c = self.layout, self.config
         top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * c.top_k].view(n, c.top_k)
@@ -514,7 +526,7 @@ class FusedForward(_PersistentLaunch):
         top_w = self.workspace.local[w0: w0 + 4 * n * c.top_k].view(torch.float32).view(n, c.top_k)
         return out[:n], top_e.long(), top_e.clone(), top_w.clone(), saved
 
-    def _saved_gate_up(self, n: int, dtype: torch.dtype) -> SavedGateUp:
+    def _saved_gate_up(self, n: int, dtype: torch.dtype, has_shared: bool) -> SavedGateUp:
         """Buffers for the gate/up projections a training call keeps (see :class:`SavedGateUp`)."""
         c, world, mode = self.config, self.fabric.world_size, self.backward.saved
         # Rows kept, and slots indexed by (source rank, token, choice). A backward that may read
@@ -528,7 +540,10 @@ class FusedForward(_PersistentLaunch):
             slots = world * self.max_tokens * c.top_k
         device = self.fabric.device
         values = torch.empty(max(rows, 1), 2 * c.moe_intermediate_size, dtype=dtype, device=device)
-        return SavedGateUp(values, torch.empty(max(slots, 1), dtype=torch.int32, device=device), rows)
+        shared = None
+        if has_shared and self.save_shared:
+            shared = torch.empty(n, 2 * c.shared_intermediate_size, dtype=dtype, device=device)
+        return SavedGateUp(values, torch.empty(max(slots, 1), dtype=torch.int32, device=device), rows, shared)
 
     def _warm_up(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module, with_backward: bool) -> None:
         """Compile and load every kernel variant this layer may launch, before launching any.
@@ -598,6 +613,8 @@ class FusedForward(_PersistentLaunch):
         )
         # Without saving, typed stand-ins: the same compiled kernel serves both kinds of call.
         kept = (saved.values, saved.slots, saved.rows) if saved is not None else (out, self._words, 0)
+        shared_kept = saved is not None and saved.shared is not None and n > 0
+        kept += (saved.shared, 1) if shared_kept else (out, 0)
         args = (
             x, out, n, *kept,
             gate.weight, bias if bias is not None else dummy, float(c.routed_scaling_factor),
@@ -751,9 +768,11 @@ class FusedExpertsFunction(torch.autograd.Function):
     Saved between the two: the input (which autograd keeps for the caller anyway), the
     forward's int32 choices and fp32 routing weights (``8 K`` bytes per token), the gate and up
     projections of the routed rows (:class:`SavedGateUp`: ``2I`` values per row, and an int32
-    slot per (source, token, choice)) and the weights themselves (no copies). The SwiGLU
-    activation is recomputed from the projections. Nothing of the shared experts' activations:
-    the recompute costs one more shared-expert forward per step.
+    slot per (source, token, choice)), those of the shared experts (``2 I_s`` values per token,
+    unless ``save_shared`` is off) and the weights themselves (no copies). Both SwiGLU
+    activations are recomputed from the projections; the shared experts' backward then runs
+    six GEMMs instead of autograd's nine (three of them its forward again). Without their
+    projections it recomputes their forward under autograd.
     """
 
     # Positions in forward's inputs (ctx.needs_input_grad): the routed parameters and the
@@ -767,13 +786,14 @@ class FusedExpertsFunction(torch.autograd.Function):
         out, top_e, top_e32, top_w, saved = launched
         ctx.launcher, ctx.shared_mlp, ctx.saved_rows = launcher, shared_mlp, saved.rows
         ctx.save_for_backward(tokens, router_weight, gate_up_proj, down_proj, top_e32, top_w, saved.values,
-                              saved.slots, *shared_weights)
+                              saved.slots, saved.shared, *shared_weights)
         ctx.mark_non_differentiable(top_e)
         return out, top_e
 
     @staticmethod
     def backward(ctx, grad_out, _grad_top_e):
-        tokens, router_weight, gate_up_proj, down_proj, top_e, top_w, kept, slots, *shared_weights = ctx.saved_tensors
+        (tokens, router_weight, gate_up_proj, down_proj, top_e, top_w, kept, slots, shared_kept,
+         *shared_weights) = ctx.saved_tensors
         need = ctx.needs_input_grad
         dx = d_router = d_gate_up = d_down = None
         # Only the shared experts train (routed experts and router frozen, input without
@@ -786,7 +806,12 @@ class FusedExpertsFunction(torch.autograd.Function):
             d_router = d_router.to(router_weight.dtype)
         d_shared = [None] * len(shared_weights)
         need_shared = list(need[FusedExpertsFunction.SHARED:])
-        if any(need_shared) or (need[0] and shared_weights):
+        if shared_kept is not None and (any(need_shared) or need[0]):
+            # ctx.shared_mlp.parameters() is the order of shared_weights (ExpertLayer._kosmos_forward).
+            dx, grads = shared_experts_backward(ctx.shared_mlp, tokens, grad_out, shared_kept, dx, need[0],
+                                                dict(zip(ctx.shared_mlp.parameters(), need_shared)))
+            d_shared = [grads.get(p) for p in ctx.shared_mlp.parameters()]
+        elif any(need_shared) or (need[0] and shared_weights):
             with torch.enable_grad():
                 x = tokens.detach().requires_grad_(need[0])
                 y = ctx.shared_mlp(x)

@@ -43,7 +43,9 @@ class ExpertLayer(nn.Module):
     (:class:`kosmos_moe.fused.FusedForward`): tile sizes, ``profile``, and ``save_gate_up``, the
     gate/up projection rows a training forward keeps for the backward per (token, choice) of a
     rank's batch (default 1.25; with one rank every row; 0 keeps none and the backward redoes
-    the projections, for the least activation memory).
+    the projections, for the least activation memory), and ``save_shared`` (default True),
+    whether it keeps the shared experts' projections too (``2 I_s`` values per token) or
+    their backward recomputes their forward.
 
     After each call, ``tokens_per_expert`` holds the number of this rank's (token, k)
     assignments per global expert and, when ``compute_aux_loss`` is set, ``aux_loss`` holds the

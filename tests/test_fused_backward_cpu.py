@@ -203,22 +203,24 @@ def test_backward_gemm_operands(tma):
     run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, env=INTERPRET)
 
 
-def check_kept_rows(rank, world, items, save_gate_up):
+def check_kept_rows(rank, world, items, save_gate_up, save_shared):
     from kosmos_moe.fused import SAVED_NONE, SAVED_SOME
 
-    check_cases(rank, world, items, save_gate_up=save_gate_up)
-    _, fused = build(rank, world, items[0][0], "none", max_tokens=8, save_gate_up=save_gate_up)
+    check_cases(rank, world, items, save_gate_up=save_gate_up, save_shared=save_shared)
+    _, fused = build(rank, world, items[0][0], "none", max_tokens=8, save_gate_up=save_gate_up,
+                     save_shared=save_shared)
     assert fused.fused().backward.saved == (SAVED_NONE if save_gate_up == 0 else SAVED_SOME)
 
 
-@pytest.mark.parametrize("world, save_gate_up", [(1, 0.0), (2, 0.0), (2, 0.3)])
-def test_backward_kept_rows(world, save_gate_up):
-    """The forward keeps no gate/up projections (every SwiGLU-backward tile redoes them), or
-    those of 0.3 T K rows of a rank's T tokens: row tiles below the cap read them, the others
-    redo them, in one launch. The other tests run the defaults: every row kept with one rank,
-    1.25 T K rows with more (the one_rank skew sends the last rank more than that)."""
+@pytest.mark.parametrize("world, save_gate_up, save_shared", [(1, 0.0, False), (2, 0.0, False), (2, 0.3, True)])
+def test_backward_kept_rows(world, save_gate_up, save_shared):
+    """The forward keeps no gate/up projections (every SwiGLU-backward tile redoes them, and
+    the shared experts' backward redoes their forward under autograd), or those of 0.3 T K
+    rows of a rank's T tokens: row tiles below the cap read them, the others redo them, in one
+    launch. The other tests run the defaults: every row kept with one rank, 1.25 T K rows with
+    more (the one_rank skew sends the last rank more than that), the shared experts' kept."""
     items = [("softmax_shared", "none"), ("sigmoid_group", "none"), ("softmax", "one_expert")]
-    run_world(world, check_kept_rows, items, save_gate_up, env=INTERPRET)
+    run_world(world, check_kept_rows, items, save_gate_up, save_shared, env=INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,9 +356,10 @@ def test_fused_backward_runs_first():
     run_world(2, check_backward_order, "softmax_shared", env=INTERPRET)
 
 
-def check_saved_bytes(rank, world, case):
-    """Autograd keeps per token the input row, the int32 choices and fp32 weights; nothing of
-    the shared experts (recomputed in the backward). Of the routed experts it keeps gate and up
+def check_saved_bytes(rank, world, case, save_shared):
+    """Autograd keeps per token the input row, the int32 choices and fp32 weights, and the
+    shared experts' gate and up projections (``2 I_s`` values) unless ``save_shared`` is off
+    (then they are recomputed in the backward). Of the routed experts it keeps gate and up
     projections (``2 I`` values a row): with one rank one row per choice and an int32 slot per
     choice; with W ranks ``ceil(1.25 T K)`` rows (at most what the rank can receive) and a slot
     per (source, token, choice) of every rank's largest batch."""
@@ -367,9 +370,11 @@ def check_saved_bytes(rank, world, case):
     spec = CASES[case]
     hidden, top_k = spec["shape"]["hidden_size"], spec["shape"]["top_k"]
     inter, experts = spec["shape"]["moe_intermediate_size"], spec["shape"]["num_experts"]
+    shared_inter = inter * spec["shape"].get("num_shared_experts", 0)
+    assert shared_inter > 0, "the case must have shared experts"
     counts = spec["counts"][:world]
     max_tokens = max(counts) + 3
-    _, fused = build(rank, world, case, "none", max_tokens=max_tokens)
+    _, fused = build(rank, world, case, "none", max_tokens=max_tokens, save_shared=save_shared)
     x = tokens(rank, counts, hidden, seed=7, positive=False)[rank].requires_grad_(True)
     got = saved_bytes(lambda: fused(x), fused)
     n, es = counts[rank], x.element_size()
@@ -379,12 +384,15 @@ def check_saved_bytes(rank, world, case):
         rows = min(world * max_tokens * min(top_k, experts // world), math.ceil(1.25 * n * top_k))
         slots = world * max_tokens * top_k
     expected = n * (hidden * es + 8 * top_k) + max(rows, 1) * 2 * inter * es + max(slots, 1) * 4
-    assert got == expected, f"rank {rank} of {world}: {got} bytes saved for {n} tokens, expected {expected}"
+    if save_shared:
+        expected += n * 2 * shared_inter * es
+    assert got == expected, (f"rank {rank} of {world}, save_shared={save_shared}: {got} bytes saved for {n} tokens, "
+                             f"expected {expected}")
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_saved_bytes_per_token(world):
-    run_world(world, check_saved_bytes, "softmax_shared", env=INTERPRET)
+@pytest.mark.parametrize("world, save_shared", [(1, True), (2, True), (1, False)])
+def test_saved_bytes_per_token(world, save_shared):
+    run_world(world, check_saved_bytes, "softmax_shared", save_shared, env=INTERPRET)
 
 
 def check_only_shared_trains(rank, world, case):

@@ -202,3 +202,41 @@ def test_bad_configuration(kwargs, match):
 def test_zero_sizes_rejected():
     with pytest.raises(ValueError, match="hidden_size must be a positive int"):
         ExpertLayer(0, 40, 6, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("wanted", ["all", "weights", "input", "down_only"])
+def test_shared_experts_backward_from_kept_projections(dtype, wanted):
+    """The shared experts' backward from their kept projections (the fused backend's path)
+    equals autograd's through their forward: the weight gradients bit for bit (the same ops
+    on the same projections), the input's to rounding (its two GEMMs are summed in one
+    epilogue here, added as two rounded tensors by autograd)."""
+    from kosmos_moe.experts import SharedExperts, shared_experts_backward
+
+    torch.manual_seed(3)
+    shared = SharedExperts(36, 20, dtype=dtype)
+    x = torch.randn(13, 36, dtype=dtype)
+    g = torch.randn(13, 36, dtype=dtype)
+    dx_routed = torch.randn(13, 36, dtype=dtype)
+    need_x = wanted in ("all", "input")
+    wanted_params = {"all": "gate up down", "weights": "gate up down", "input": "", "down_only": "down"}[wanted]
+    params = dict(gate=shared.gate_proj.weight, up=shared.up_proj.weight, down=shared.down_proj.weight)
+    for name, p in params.items():
+        p.requires_grad_(name in wanted_params.split())
+
+    xr = x.clone().requires_grad_(need_x)
+    shared(xr).backward(g)
+    with torch.no_grad():
+        gate_up = torch.cat([shared.gate_proj(x), shared.up_proj(x)], dim=-1)
+        dx, grads = shared_experts_backward(shared, x, g, gate_up, dx_routed.clone(), need_x,
+                                            {p: p.requires_grad for p in params.values()})
+    for name, p in params.items():
+        if p.requires_grad:
+            assert torch.equal(grads[p], p.grad), f"{name}_proj: differs from autograd"
+        else:
+            assert p not in grads, f"{name}_proj: a gradient nobody asked for"
+    if need_x:
+        tol = dict(rtol=1e-12, atol=1e-12) if dtype == torch.float64 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(dx, dx_routed + xr.grad, **tol)
+    else:
+        assert dx is None
