@@ -68,6 +68,12 @@ VARIANTS = {
     # which compile without wgmma serialization only beside 64 x 64 router-gradient tiles
     # (offline sm_90 spills: 2,528 B one rank, 7,012 B an EP=2 rank, against 1,248 and 2,820).
     "wgrad_cols256": _backward_tiles(wgrad_cols=256, wgrad_stages=3, router_grad_rows=64, router_grad_cols=64),
+    # 128 x 256 dx tiles, 4 stages (192 KB of shared memory): the same register relief lets
+    # them compile without serialization (offline sm_90, Triton 3.6: 1,396 B of spills, against
+    # 1,248 at the default), but not beside 128 x 256 weight-gradient tiles (C7512).
+    "dx_cols256": _backward_tiles(dx_cols=256, router_grad_rows=64, router_grad_cols=64),
+    # The smaller router-gradient tiles alone: what the two variants above pay for their relief.
+    "router_grad64": _backward_tiles(router_grad_rows=64, router_grad_cols=64),
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
 }
 

@@ -97,8 +97,8 @@ def shared_experts_backward(
     gate_up: torch.Tensor,
     dx: torch.Tensor | None,
     need_x: bool,
-    need: dict[nn.Parameter, bool],
-) -> tuple[torch.Tensor | None, dict[nn.Parameter, torch.Tensor]]:
+    need: dict[str, bool],
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """The shared experts' gradients from their kept projections, without redoing their forward.
 
     ``gate_up`` ``[T, 2 I_s]`` is ``[x Wg^T | x Wu^T]`` as the forward computed it. The
@@ -106,23 +106,25 @@ def shared_experts_backward(
     ``dWg = dg^T x``, ``dWu = du^T x`` and ``dx += dg Wg + du Wu`` (added into ``dx`` in the
     GEMMs' epilogue), each only if asked for. The elementwise steps are autograd's own for
     :class:`SharedExperts`, in the activation dtype, so the gradients round as its do.
-    Returns ``dx`` (``None`` unless ``need_x``) and the weight gradients that ``need`` asks for.
+    ``need`` maps parameter names (``gate_proj.weight``, ...) to whether their gradient is
+    wanted. Returns ``dx`` (``None`` unless ``need_x``) and those gradients by name.
     """
     wg, wu, wd = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+    want_g, want_u, want_d = (need.get(f"{p}.weight", False) for p in ("gate_proj", "up_proj", "down_proj"))
     grad_out = grad_out.to(x.dtype)
     gate, up = gate_up.chunk(2, dim=-1)
     act = F.silu(gate)
     grads = {}
-    if need.get(wd, False):
-        grads[wd] = grad_out.t() @ (act * up)
-    if need_x or need.get(wg, False) or need.get(wu, False):
+    if want_d:
+        grads["down_proj.weight"] = grad_out.t() @ (act * up)
+    if need_x or want_g or want_u:
         dh = grad_out @ wd
         du = dh * act
         dg = torch.ops.aten.silu_backward(dh * up, gate)
-        if need.get(wg, False):
-            grads[wg] = dg.t() @ x
-        if need.get(wu, False):
-            grads[wu] = du.t() @ x
+        if want_g:
+            grads["gate_proj.weight"] = dg.t() @ x
+        if want_u:
+            grads["up_proj.weight"] = du.t() @ x
         if need_x:
             dx = torch.addmm(dx, dg, wg) if dx is not None else dg @ wg
             dx = torch.addmm(dx, du, wu)

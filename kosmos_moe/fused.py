@@ -807,10 +807,11 @@ class FusedExpertsFunction(torch.autograd.Function):
         d_shared = [None] * len(shared_weights)
         need_shared = list(need[FusedExpertsFunction.SHARED:])
         if shared_kept is not None and (any(need_shared) or need[0]):
-            # ctx.shared_mlp.parameters() is the order of shared_weights (ExpertLayer._kosmos_forward).
+            # shared_weights are ctx.shared_mlp.parameters() in order (ExpertLayer._kosmos_forward).
+            names = [name for name, _ in ctx.shared_mlp.named_parameters()]
             dx, grads = shared_experts_backward(ctx.shared_mlp, tokens, grad_out, shared_kept, dx, need[0],
-                                                dict(zip(ctx.shared_mlp.parameters(), need_shared)))
-            d_shared = [grads.get(p) for p in ctx.shared_mlp.parameters()]
+                                                dict(zip(names, need_shared)))
+            d_shared = [grads.get(name) for name in names]
         elif any(need_shared) or (need[0] and shared_weights):
             with torch.enable_grad():
                 x = tokens.detach().requires_grad_(need[0])
