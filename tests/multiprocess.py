@@ -8,9 +8,12 @@ import tempfile
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import interpreter_patching
+
 
 def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    interpreter_patching.install()
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
