@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The GPU checks behind the README's figures, in stages sized for one 10-minute run each on one
+# H200, compile included, from the script times in benchmarks/README.md (the test stages ran
+# 200-330 s in earlier sessions without a Triton cache). From the repository root:
+#
+#   bash benchmarks/gpu_session.sh STAGE [STAGE ...]
+#
+# Each stage writes STAGE.log (and the benchmarks' JSON) under $OUT, or results/gpu_session
+# when OUT is unset, and the script goes on to the next stage when one fails, ending with the
+# first failure's status. Stages:
+#
+#   tests-backward   the backward and training GPU suites (emulated worlds of 1-8 ranks)
+#   tests-forward    the forward, signals, exchange and distributed GPU suites
+#   forward          layer_forward.py on the four EP=1 cases (the forward table)
+#   backward         layer_backward.py --profile on the four cases (the forward+backward table)
+#   variants         layer_backward.py --profile, DeepSeek-V3 32 experts, the default against
+#                    the backward variants not yet timed on the GPU
+#   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+out="${OUT:-results/gpu_session}"
+mkdir -p "$out"
+[ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 2; }
+
+run_stage() {
+    case "$1" in
+        tests-backward) python -m pytest -q -x tests/test_fused_backward_gpu.py tests/test_training_gpu.py ;;
+        tests-forward) python -m pytest -q -x tests/test_fused_gpu.py tests/test_signals_gpu.py \
+                           tests/test_exchange_gpu.py tests/test_distributed_gpu.py ;;
+        forward) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
+                     --out "$out/forward.json" ;;
+        backward) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
+                      --profile --out "$out/backward.json" ;;
+        variants) python benchmarks/layer_backward.py --cases dsv3_rank --profile --out "$out/variants.json" \
+                      --variants default shared_recompute wgrad_cols256 dx_cols256 router_grad64 wgrad_tma_store ;;
+        tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
+        *) echo "unknown stage $1" >&2; return 2 ;;
+    esac
+}
+
+status=0
+for stage in "$@"; do
+    echo "== $stage ($(date -u +%H:%M:%S))"
+    start=$SECONDS
+    run_stage "$stage" > "$out/$stage.log" 2>&1
+    rc=$?
+    tail -n 25 "$out/$stage.log"
+    echo "== $stage: exit $rc after $((SECONDS - start)) s"
+    [ $rc -eq 0 ] || [ $status -ne 0 ] || status=$rc
+done
+exit $status
