@@ -211,9 +211,10 @@ def routed_down_rows(
     tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
 
 
-# Token count, rank, wait bound and saved rows are not specialised, so every rank of a world
-# and every call, training or not, runs one compiled kernel: loading a new module while a peer's persistent kernel spins
-# may wait for that kernel (CUDA lazy loading serialises module loads with running work).
+# Token count, rank, wait bound, saved rows and the shared-projection switch are not
+# specialised, so every rank of a world and every call, training or not, runs one compiled
+# kernel: loading a new module while a peer's persistent kernel spins may wait for that kernel
+# (CUDA lazy loading serialises module loads with running work).
 @triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap", "save_shared"])
 def expert_forward_kernel(
     x_ptr, out_ptr, n_tokens, saved_ptr, slot_ptr, save_cap, s_saved_ptr, save_shared,
