@@ -1,6 +1,7 @@
 """Every benchmark script runs end to end in its CPU smoke mode (tiny shapes, one iteration).
 
 These check that the scripts work and write their JSON and markdown; they measure nothing.
+The GPU session script's commands are checked against the scripts' own cases and variants.
 """
 
 import json
@@ -47,3 +48,42 @@ def test_e2e_smoke(tmp_path):
     run("bench_e2e.py", "--cases", "dsv3_rank", "--backends", "reference", "--seq-len", "16", "--warmup", "0",
         "--iters", "1", "--out", str(out))
     assert json.loads(out.read_text())
+
+
+def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
+    """benchmarks/gpu_session.sh runs on GPU time that is scarce: a test file, case or variant it
+    names that no longer exists would only fail there. Each of its commands is checked here."""
+    import importlib.util
+    import re
+    import shlex
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the scripts import each other
+
+    def module(name):
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+
+    choices = {
+        "layer_forward.py": lambda m: {"--cases": m.CASES, "--variants": m.TILE_VARIANTS},
+        "layer_backward.py": lambda m: {"--cases": m.CASES, "--variants": m.VARIANTS},
+        "gemm_tiles.py": lambda m: {"--shapes": m.SHAPES, "--variants": m.VARIANTS,
+                                    "--wgrad-variants": m.WGRAD_VARIANTS},
+    }
+    text = (ROOT / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
+    commands = [shlex.split(c.split(";;")[0]) for c in re.findall(r"^\s+[\w-]+\)\s+(python .*?;;)", text, re.M)]
+    assert len(commands) == 6, commands
+    for words in commands:
+        if words[1:3] == ["-m", "pytest"]:
+            files = [w for w in words if w.startswith("tests/")]
+            assert files and all((ROOT / f).is_file() for f in files), words
+            continue
+        script = Path(words[1]).name
+        allowed = choices[script](module(script[:-3]))
+        option = None
+        for w in words[2:]:
+            if w.startswith("--"):
+                option = w
+            elif option in allowed:
+                assert w in allowed[option], f"{script} {option}: no {w!r}"
