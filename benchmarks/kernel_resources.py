@@ -28,6 +28,7 @@ the GPU would build; nothing runs. What ``--check`` fails on:
     python benchmarks/kernel_resources.py --case qwen3_full --backward-tiles dx_stages=3
     python benchmarks/kernel_resources.py --check                 # exit 1 on a finding
     python benchmarks/kernel_resources.py --case dsv3_full --ranks 2 --tokens 512   # an EP=2 rank
+    python benchmarks/kernel_resources.py --kernels backward --spills 8   # where it spills
 """
 
 from __future__ import annotations
@@ -123,8 +124,37 @@ def ptxas_tool():
         return get_ptxas()
 
 
-def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None) -> dict:
-    """Compile one launch for sm_90a and return ptxas' report on it (TTGIR and PTX into ``dump``)."""
+_SASS_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
+
+
+def spill_sites(ptx_path: str, tmp: str, top: int) -> list[dict]:
+    """The ``top`` source lines with the most spill instructions (``STL``/``LDL``) in the SASS.
+
+    ptxas compiles the PTX again with line information (the code is the same) and nvdisasm
+    maps each instruction to its innermost source line, inlined helpers included.
+    """
+    tool = ptxas_tool().path
+    nvdisasm = os.path.join(os.path.dirname(tool), "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        return [{"line": f"(no nvdisasm beside {tool})", "stores": 0, "loads": 0}]
+    cubin = os.path.join(tmp, "lines.cubin")
+    subprocess.run([tool, "-arch=sm_90a", "-lineinfo", ptx_path, "-o", cubin], check=True, capture_output=True)
+    sass = subprocess.run([nvdisasm, "-g", "-c", cubin], check=True, capture_output=True, text=True).stdout
+    sites: dict[str, dict] = {}
+    line = "?"
+    for text in sass.splitlines():
+        m = _SASS_LINE.search(text)
+        if m:
+            line = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+        elif re.search(r"\bSTL(\.|\s)", text) or re.search(r"\bLDL(\.|\s)", text):
+            site = sites.setdefault(line, {"line": line, "stores": 0, "loads": 0})
+            site["stores" if "STL" in text else "loads"] += 1
+    return sorted(sites.values(), key=lambda s: -(s["stores"] + s["loads"]))[:top]
+
+
+def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, spill_lines: int = 0) -> dict:
+    """Compile one launch for sm_90a and return ptxas' report on it (TTGIR and PTX into ``dump``;
+    with ``spill_lines``, that many source lines with the most spill instructions)."""
     constants = dict(constants)
     options = {"num_warps": constants.pop("num_warps")}  # as launched: no other compile option
     signature = {name: mangle_type(a) for name, a in zip(kernel.arg_names, args)}
@@ -155,9 +185,10 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None) 
             f.write(compiled.asm["ptx"])
         done = subprocess.run([ptxas_tool().path, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
                               capture_output=True, text=True)
-    text = done.stdout + done.stderr
-    if done.returncode != 0:
-        raise RuntimeError(f"ptxas failed:\n{text[-2000:]}")
+        text = done.stdout + done.stderr
+        if done.returncode != 0:
+            raise RuntimeError(f"ptxas failed:\n{text[-2000:]}")
+        sites = spill_sites(ptx, tmp, spill_lines) if spill_lines else []
 
     def number(pattern: str) -> int:
         m = re.search(pattern, text)
@@ -172,6 +203,7 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None) 
         "ptxas_warnings": warnings,
         "wgmma_serialized": sorted({m.group(1) for w in warnings if (m := SERIALIZED.search(w))}),
         "wgmma_loops": wgmma_loops(compiled.asm["ttgir"]),
+        "spill_sites": sites,
     }
 
 
@@ -269,13 +301,15 @@ def main() -> None:
                              "or shared memory over 227 KB")
     parser.add_argument("--out", help="write the reports as JSON here")
     parser.add_argument("--dump", help="write each kernel's TTGIR and PTX into this directory")
+    parser.add_argument("--spills", type=int, default=0, metavar="N",
+                        help="also list the N source lines with the most spill instructions")
     args = parser.parse_args()
     calls = kernel_calls(args.case, tile_overrides(args.tiles, GPU_TILES),
                          tile_overrides(args.backward_tiles, GPU_BACKWARD_TILES), args.tokens, args.ranks)
     reports, bad = {}, []
     for name in args.kernels:
         print(f"[{args.case}] compiling the {name} kernel for sm_90a", file=sys.stderr, flush=True)
-        r = reports[name] = compile_sm90(*calls[name], dump=args.dump)
+        r = reports[name] = compile_sm90(*calls[name], dump=args.dump, spill_lines=args.spills)
         found = findings(r)
         bad += [f"{name}: {f}" for f in found]
         print(f"{name:9} {r['registers']} registers, spills {r['spill_stores']} B stored / "
@@ -284,6 +318,9 @@ def main() -> None:
             print(f"  wgmma loop {loop['source']}: {loop['dots']} {loop['dtype']} dots, "
                   f"{'one in flight' if loop['in_flight'] else 'each waited for'}, operand loads "
                   f"{loop['async_loads']} async / {loop['plain_loads']} plain, {loop['stages']} stages")
+        if r["spill_sites"]:
+            print("  spills at " + ", ".join(f"{site['line']} ({site['stores']} st, {site['loads']} ld)"
+                                             for site in r["spill_sites"]))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"case": args.case, "ptxas": ptxas_tool().version, "kernels": reports}, f, indent=1)

@@ -17,6 +17,7 @@ exhaust the registers, and the forward without its row alignment hint.
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +41,7 @@ def run_tool(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
 
 
 def test_default_tiles_keep_wgmma_pipelined(tmp_path):
-    done, report = run_tool(tmp_path)
+    done, report = run_tool(tmp_path, "--spills", "5")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # GEMM loops: forward routed and shared gate/up and down; backward dx, the SwiGLU
     # backward's g Wd (every row's projections kept at one rank) and the weight-gradient strip.
@@ -51,6 +52,11 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
         assert kernel["registers"] > 0
         gemm_loops = [loop for loop in kernel["wgmma_loops"] if loop["dtype"] == "bf16"]
         assert len(gemm_loops) >= loops and all(loop["in_flight"] for loop in gemm_loops), kernel["wgmma_loops"]
+        # Spilled bytes are found at source lines of the kernels (--spills), at most 5 of them
+        # (local-memory traffic that is not a spill may show up too).
+        sites = kernel["spill_sites"]
+        assert len(sites) <= 5 and (sites or kernel["spill_stores"] + kernel["spill_loads"] == 0), sites
+        assert all(re.fullmatch(r"\w+\.py:\d+", s["line"]) and s["stores"] + s["loads"] > 0 for s in sites), sites
 
 
 def test_register_starved_tiles_are_reported(tmp_path):
