@@ -15,6 +15,7 @@
 #   backward         layer_backward.py --profile on the four cases (the forward+backward table)
 #   variants         layer_backward.py --profile, DeepSeek-V3 32 experts, the default against
 #                    the backward variants not yet timed on the GPU
+#   variants-full    the same at 256 experts, for the variants meant for few rows per expert
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,8 @@ run_stage() {
                       --profile --out "$out/backward.json" ;;
         variants) python benchmarks/layer_backward.py --cases dsv3_rank --profile --out "$out/variants.json" \
                       --variants default shared_recompute wgrad_cols256 dx_cols256 router_grad64 wgrad_tma_store ;;
+        variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
+                           --out "$out/variants_full.json" --variants default wgrad_tma_store wgrad_cols256 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         *) echo "unknown stage $1" >&2; return 2 ;;
     esac
