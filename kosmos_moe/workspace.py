@@ -31,7 +31,7 @@ def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Tiles:
     """Tile sizes of the fused forward (rows x columns of each task)."""
 
@@ -48,11 +48,6 @@ class Tiles:
     gate_up_cols: int = 128      # BN of the gate/up tiles (two accumulators)
     down_cols: int = 256         # BN of the down tiles: 554 vs 440 TFLOP/s at 128 (benchmarks/gemm_tiles.py, H200)
     depth: int = 64              # BK
-    # BRM x BRN: the router weight's gradient tiles (fp32 operands, tf32x3 dots on the GPU).
-    # Beside 128 x 256 weight-gradient tiles, 64 x 128 or larger ones make ptxas serialize
-    # every wgmma of the kernel (C7512, offline sm_90, Triton 3.6); 64 x 64 do not.
-    router_grad_rows: int = 128
-    router_grad_cols: int = 128
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
     stages: int = 3
@@ -72,7 +67,12 @@ class Tiles:
 
 GPU_TILES = Tiles()
 # The interpreter runs tl.dot in numpy: small tiles keep CPU tests quick (tl.dot needs >= 16).
-INTERPRETER_TILES = Tiles(16, 16, 16, 32, 16, 16, 16, 16, 16, 32, 1, 1)
+# Tiles take keywords only: positional tiles once shifted by one field added to the class
+# left the CPU forward on 1-token, 1-column fold blocks, 3 stages and 8 warps.
+INTERPRETER_TILES = Tiles(
+    route_tokens=16, route_depth=16, dispatch_rows=16, dispatch_cols=32, rows=16, gate_up_cols=16, down_cols=16,
+    depth=16, fold_tokens=16, fold_cols=32, stages=1, warps=1,
+)
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def forward_layout(
     return WorkspaceLayout(max_tokens, world, R, tile_cap, words, offsets, pos)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class BackwardTiles:
     """Tile sizes of the fused backward."""
 
