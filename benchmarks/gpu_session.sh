@@ -34,7 +34,8 @@ run_stage() {
         backward) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                       --profile --out "$out/backward.json" ;;
         variants) python benchmarks/layer_backward.py --cases dsv3_rank --profile --out "$out/variants.json" \
-                      --variants default shared_recompute wgrad_cols256 dx_cols256 router_grad64 wgrad_tma_store ;;
+                      --variants default shared_recompute wgrad_cols256 dx_cols256 router_grad64 router_depth32 \
+                      wgrad_tma_store ;;
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
                            --out "$out/variants_full.json" --variants default wgrad_tma_store wgrad_cols256 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;

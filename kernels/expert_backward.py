@@ -47,8 +47,8 @@ DWGU, DWD (local expert, row block, strip of ``WS`` column blocks) of ``dW[g;u]`
           since the rows were stored in this launch through the generic proxy). Ready when
           every SwiGLU-backward tile of the expert is done; experts without rows write zeros.
 DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T x`` over the
-          local tokens in order, in BRM x BRN tiles of fp32 operands. Ready when every
-          route-backward tile is done.
+          local tokens in order, BRK at a time, in BRM x BRN tiles of fp32 operands. Ready
+          when every route-backward tile is done.
 
 Claiming and why it cannot deadlock: as in the forward (kernels.expert_forward). FOLD, DH,
 DX, RBWD, DWGU/DWD (one ticket for both, dW[g;u] first) and DWR are taken by ticket and run
@@ -207,8 +207,8 @@ def expert_backward_kernel(
     B_COMB: tl.constexpr,
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
     BN_DH: tl.constexpr, BN_RC: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BWM: tl.constexpr,
-    BWN: tl.constexpr, WS: tl.constexpr, BRM: tl.constexpr, BRN: tl.constexpr, BHR: tl.constexpr, BTF: tl.constexpr,
-    BHF: tl.constexpr, STAGES: tl.constexpr,
+    BWN: tl.constexpr, WS: tl.constexpr, BRM: tl.constexpr, BRN: tl.constexpr, BRK: tl.constexpr, BHR: tl.constexpr,
+    BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
     DX_STAGES: tl.constexpr, WG_STAGES: tl.constexpr,
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
@@ -587,9 +587,9 @@ def expert_backward_kernel(
                         nb = q % N_WR_N
                         mcols = mb * BRM + tl.arange(0, BRM)
                         ncols = nb * BRN + tl.arange(0, BRN)
-                        rr = tl.arange(0, BKW)
+                        rr = tl.arange(0, BRK)
                         acc = tl.zeros([BRM, BRN], dtype=tl.float32)
-                        for t0 in tl.range(0, n_tokens, BKW, num_stages=1):  # fp32 operands: one stage
+                        for t0 in tl.range(0, n_tokens, BRK, num_stages=1):  # fp32 operands: one stage
                             toks = (t0 + rr).to(tl.int64)
                             ok = (t0 + rr) < n_tokens
                             at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],

@@ -177,6 +177,10 @@ class BackwardTiles:
     # every wgmma of the kernel (C7512, offline sm_90, Triton 3.6); 64 x 64 do not.
     router_grad_rows: int = 128
     router_grad_cols: int = 128
+    # BRK: tokens per step of the router-gradient reduction. At 64 its loop spills (about 110
+    # spill instructions per step, offline sm_90, Triton 3.6, DeepSeek-V3 one-rank view; the
+    # kernel 972 B); at 32 it does not (the kernel 568 B). Untimed on the GPU: variant router_depth32.
+    router_grad_depth: int = 64
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
     stages: int = 3
@@ -216,7 +220,7 @@ class BackwardTiles:
             BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols,
             BM=self.rows, BN_DH=self.swiglu_cols, BN_RC=self.recompute_cols, BN_DX=self.dx_cols, BK=self.depth,
             BKW=self.wgrad_depth, BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip,
-            BRM=self.router_grad_rows, BRN=self.router_grad_cols, BHR=self.route_cols,
+            BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, num_warps=self.warps,
         )
@@ -227,7 +231,7 @@ GPU_BACKWARD_TILES = BackwardTiles()
 INTERPRETER_BACKWARD_TILES = BackwardTiles(
     route_tokens=16, route_depth=16, route_cols=16, dispatch_rows=16, dispatch_cols=32, rows=16, swiglu_cols=32,
     recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16, router_grad_rows=16,
-    router_grad_cols=16, fold_tokens=16,
+    router_grad_cols=16, router_grad_depth=16, fold_tokens=16,
     fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2, wgrad_stages=1,
 )
 
