@@ -56,7 +56,6 @@ VARIANTS = {
     "pointer_weights": {"tiles": dataclasses.replace(GPU_TILES, tma=False)},
     "strip8": _backward_tiles(wgrad_strip=8),
     "rows64": _backward_tiles(rows=64),
-    "dx256": _backward_tiles(dx_cols=256, depth=32),
     "dx_stages3": _backward_tiles(dx_stages=3),
     "depth32": _backward_tiles(depth=32),
     "wgrad_k32_stages4": _backward_tiles(wgrad_depth=32, wgrad_stages=4),

@@ -477,11 +477,11 @@ def expert_forward_kernel(
                     acc_g, acc_u = gate_up_acc(s_rows, n_rows, s_gate_ptr, s_up_ptr, ib * BN_GU,
                                                H, I_S, BM, BN_GU, BK, DOT_DTYPE, STAGES)
                 rows = tl.arange(0, BM)
+                row_ok = rows < n_rows
                 cols = ib * BN_GU + tl.arange(0, BN_GU)
-                store_swiglu(acc_g, acc_u, h_s + t0.to(tl.int64) * I_S, rows, cols, rows < n_rows, I_S)
+                store_swiglu(acc_g, acc_u, h_s + t0.to(tl.int64) * I_S, rows, cols, row_ok, I_S)
                 if save_shared != 0:  # a training call: the shared experts' backward reads these
-                    store_gate_up(acc_g, acc_u, s_saved_ptr + t0.to(tl.int64) * (2 * I_S), rows, cols,
-                                  rows < n_rows, I_S)
+                    store_gate_up(acc_g, acc_u, s_saved_ptr + t0.to(tl.int64) * (2 * I_S), rows, cols, row_ok, I_S)
                 signal_add(ctl + C_GU_DONE + TILE_CAP + m, 1, "gpu")
                 did = 6
 

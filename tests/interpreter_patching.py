@@ -20,10 +20,13 @@ import functools
 import inspect
 
 
-def _language_modules(fn) -> set[int]:
+@functools.lru_cache(maxsize=None)
+def _language_modules(fn) -> frozenset[int]:
+    """The language modules ``_patch_lang(fn)`` patches (those among ``fn``'s globals); asked at
+    every helper call, so kept per function."""
     import triton.language as tl
 
-    return {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+    return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
 
 
 def install() -> bool:
@@ -40,7 +43,7 @@ def install() -> bool:
     if getattr(patch_lang, "_kosmos_shortcut", False):
         return True
 
-    launches: list[set[int] | None] = []  # per running launch: the modules patched so far (None: none yet)
+    launches: list[frozenset[int] | None] = []  # per running launch: the modules patched so far (None: none yet)
 
     original_call = executor.__call__
 
@@ -62,7 +65,7 @@ def install() -> bool:
         # The launch's own patch, or a helper seeing another module (``triton.language.core``
         # from the standard library's helpers): patched now, it stays patched for the launch.
         scope = patch_lang(fn)
-        launches[-1] = modules | (launches[-1] or set())
+        launches[-1] = modules | (launches[-1] or frozenset())
         return scope
 
     patch._kosmos_shortcut = True
