@@ -31,7 +31,8 @@ from layer_forward import timed
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kosmos_moe.kernels.tile_gemm import (
-    down_tile, down_tile_tma, down_tile_tma_w, gate_up_tile, gate_up_tile_tma, gate_up_tile_tma_rows, row_reduction_strip,
+    down_tile, down_tile_tma, down_tile_tma_w, gate_up_pair_acc, gate_up_pair_acc_tma, gate_up_tile, gate_up_tile_tma,
+    gate_up_tile_tma_rows, row_reduction_strip, store_swiglu,
 )
 
 SHAPES = {
@@ -43,19 +44,22 @@ SHAPES = {
     "dsv3_full": (7168, 2048, 256, 4096, 8),
 }
 
-# (rows, gate/up columns, down columns, depth, stages, warps, weights by TMA: tile_gemm's *_tma tiles)
+# (rows, gate/up columns, down columns, depth, stages, warps, weights by TMA: tile_gemm's *_tma
+# tiles, gate/up as one dot of twice the columns: tile_gemm.gate_up_pair_acc*)
 VARIANTS = {
-    "fused_default": (128, 128, 128, 64, 3, 8, False),
-    "down256": (128, 128, 256, 64, 3, 8, False),
-    "stages4": (128, 128, 128, 64, 4, 8, False),
-    "gu64_down256_s4": (128, 64, 256, 64, 4, 8, False),
-    "bk128_s2": (128, 128, 128, 128, 2, 8, False),
-    "rows64_w4": (64, 128, 128, 64, 4, 4, False),
-    "tma_default": (128, 128, 128, 64, 3, 8, True),
-    "tma_down256": (128, 128, 256, 64, 3, 8, True),
-    "tma_stages4": (128, 128, 256, 64, 4, 8, True),
-    "tma_gu64_s4": (128, 64, 256, 64, 4, 8, True),
-    "tma_w4": (128, 64, 128, 64, 4, 4, True),
+    "fused_default": (128, 128, 128, 64, 3, 8, False, False),
+    "down256": (128, 128, 256, 64, 3, 8, False, False),
+    "stages4": (128, 128, 128, 64, 4, 8, False, False),
+    "gu64_down256_s4": (128, 64, 256, 64, 4, 8, False, False),
+    "bk128_s2": (128, 128, 128, 128, 2, 8, False, False),
+    "rows64_w4": (64, 128, 128, 64, 4, 4, False, False),
+    "tma_default": (128, 128, 128, 64, 3, 8, True, False),
+    "tma_down256": (128, 128, 256, 64, 3, 8, True, False),
+    "tma_stages4": (128, 128, 256, 64, 4, 8, True, False),
+    "tma_gu64_s4": (128, 64, 256, 64, 4, 8, True, False),
+    "tma_w4": (128, 64, 128, 64, 4, 4, True, False),
+    "one_dot": (128, 128, 256, 64, 3, 8, False, True),
+    "tma_one_dot": (128, 128, 256, 64, 3, 8, True, True),
 }
 
 # Weight-gradient tiles: (output rows, output columns, reduction depth, stages, column blocks
@@ -94,7 +98,8 @@ def _store_rows(acc, y_ptr, row0, n_rows, n0, H: tl.constexpr, BM: tl.constexpr,
 @triton.jit
 def _gate_up_grid(x_ptr, token_of_row_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles,
                   w_gate_up_ptr, h_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                  BK: tl.constexpr, STAGES: tl.constexpr, GATHER: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                  BK: tl.constexpr, STAGES: tl.constexpr, GATHER: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                  ONE_DOT: tl.constexpr = False):
     ib, row0, n_rows, e = _task(tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles)
     rows = row0 + tl.arange(0, BM)
     if GATHER:
@@ -103,8 +108,13 @@ def _gate_up_grid(x_ptr, token_of_row_ptr, tile_row0_ptr, tile_rows_ptr, tile_ex
     else:
         a_rows = x_ptr + rows.to(tl.int64) * H
     w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-    gate_up_tile(a_rows, n_rows, w_e, w_e + I * H, h_ptr + row0.to(tl.int64) * I, ib * BN,
-                 H, I, BM, BN, BK, DOT_DTYPE, STAGES)
+    if ONE_DOT:
+        acc_g, acc_u = gate_up_pair_acc(a_rows, n_rows, w_e, ib * BN, H, I, BM, BN, BK, DOT_DTYPE, STAGES)
+        store_swiglu(acc_g, acc_u, h_ptr + row0.to(tl.int64) * I, tl.arange(0, BM), ib * BN + tl.arange(0, BN),
+                     tl.arange(0, BM) < n_rows, I)
+    else:
+        gate_up_tile(a_rows, n_rows, w_e, w_e + I * H, h_ptr + row0.to(tl.int64) * I, ib * BN,
+                     H, I, BM, BN, BK, DOT_DTYPE, STAGES)
 
 
 @triton.jit
@@ -120,10 +130,20 @@ def _down_grid(h_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles, w_
 @triton.jit
 def _gate_up_grid_tma(x_ptr, x_desc, token_of_row_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles,
                       w_desc, h_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      BK: tl.constexpr, STAGES: tl.constexpr, GATHER: tl.constexpr, DOT_DTYPE: tl.constexpr):
+                      BK: tl.constexpr, STAGES: tl.constexpr, GATHER: tl.constexpr, DOT_DTYPE: tl.constexpr,
+                      ONE_DOT: tl.constexpr = False):
+    """With ``ONE_DOT``, ``w_desc`` is ``[2 E, I, H]`` with block ``[2, BN, BK]`` and the rows are
+    read by pointers, gathered or not, as in the fused kernel."""
     ib, row0, n_rows, e = _task(tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles)
     h_rows = h_ptr + row0.to(tl.int64) * I
-    if GATHER:
+    if ONE_DOT:
+        rows = row0 + tl.arange(0, BM)
+        if GATHER:
+            rows = tl.load(token_of_row_ptr + rows, mask=tl.arange(0, BM) < n_rows, other=0)
+        acc_g, acc_u = gate_up_pair_acc_tma(x_ptr + rows.to(tl.int64) * H, n_rows, w_desc, 2 * e, ib * BN, H, BM, BN,
+                                            BK, DOT_DTYPE, STAGES)
+        store_swiglu(acc_g, acc_u, h_rows, tl.arange(0, BM), ib * BN + tl.arange(0, BN), tl.arange(0, BM) < n_rows, I)
+    elif GATHER:
         tok = tl.load(token_of_row_ptr + row0 + tl.arange(0, BM), mask=tl.arange(0, BM) < n_rows, other=0)
         gate_up_tile_tma(x_ptr + tok.to(tl.int64) * H, n_rows, w_desc, e * 2 * I, w_desc, e * 2 * I + I, h_rows, ib * BN,
                          H, I, BM, BN, BK, DOT_DTYPE, STAGES)
@@ -265,14 +285,15 @@ def run_shape(name: str, variants: dict) -> dict:
         torch.cuda.synchronize()
         return flops / timed(launch) / 1e12, (got.float() - want.float()).abs().max().item()
 
-    for label, (bm, bn_gu, bn_dn, bk, stages, warps, tma) in variants.items():
+    for label, (bm, bn_gu, bn_dn, bk, stages, warps, tma, one_dot) in variants.items():
         row0, n_rows, ex = tiles_of(counts, bm)
         nt = row0.numel()
         gu_grid, dn_grid = (nt * triton.cdiv(I, bn_gu),), (nt * triton.cdiv(H, bn_dn),)
         h = torch.empty(R, I, device=dev, dtype=dt)
         y = torch.empty(R, H, device=dev, dtype=dt)
         if tma:
-            w_gu_desc = TensorDescriptor.from_tensor(w_gate_up.view(E * 2 * I, H), [bn_gu, bk])
+            w_gu_desc = (TensorDescriptor.from_tensor(w_gate_up.view(2 * E, I, H), [2, bn_gu, bk]) if one_dot
+                         else TensorDescriptor.from_tensor(w_gate_up.view(E * 2 * I, H), [bn_gu, bk]))
             w_dn_desc = TensorDescriptor.from_tensor(w_down.view(E * H, I), [bn_dn, bk])
             rows_desc = TensorDescriptor.from_tensor(rows, [bm, bk])
             h_desc = TensorDescriptor.from_tensor(h_ref, [bm, bk])
@@ -280,12 +301,12 @@ def run_shape(name: str, variants: dict) -> dict:
         for gather in (True, False):
             if tma:
                 launch = lambda: _gate_up_grid_tma[gu_grid](  # noqa: E731
-                    x, rows_desc, token_of_row, row0, n_rows, ex, nt, w_gu_desc, h, H, I, bm, bn_gu, bk, stages,
-                    gather, tl.bfloat16, num_warps=warps)
+                    x if gather or not one_dot else rows, rows_desc, token_of_row, row0, n_rows, ex, nt, w_gu_desc, h,
+                    H, I, bm, bn_gu, bk, stages, gather, tl.bfloat16, one_dot, num_warps=warps)
             else:
                 launch = lambda: _gate_up_grid[gu_grid](  # noqa: E731
                     x if gather else rows, token_of_row, row0, n_rows, ex, nt, w_gate_up, h, H, I, bm, bn_gu, bk,
-                    stages, gather, tl.bfloat16, num_warps=warps)
+                    stages, gather, tl.bfloat16, one_dot, num_warps=warps)
             res["gate_up_gather" if gather else "gate_up_contiguous"], res["h_max_diff"] = measure(
                 launch, flops_gu, h, h_ref)
         for rows_by_tma in ((False, True) if tma else (False,)):

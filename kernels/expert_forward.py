@@ -109,7 +109,10 @@ from .signals import (
     ERR_COMBINE, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
     peer_ptr, record_error, signal_add,
 )
-from .tile_gemm import down_tile, down_tile_tma_w, gate_up_acc, gate_up_acc_tma, store_gate_up, store_swiglu
+from .tile_gemm import (
+    down_tile, down_tile_tma_w, gate_up_acc, gate_up_acc_tma, gate_up_pair_acc, gate_up_pair_acc_tma, store_gate_up,
+    store_swiglu,
+)
 
 # With PROFILE, every pass of a worker adds its nanoseconds to int64 slot ``kind`` of
 # ``profile_ptr`` and one to slot ``16 + kind``. Slot 0 is passes that found nothing ready.
@@ -144,7 +147,7 @@ def routed_gate_up_rows(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, T_MAX: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr,
     ROWS: tl.constexpr, BN_GU: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, ONE_DOT: tl.constexpr,
 ):
     """A routed gate/up tile: ``n_rows <= ROWS`` received rows from ``row0`` of local expert ``e``,
     column block ``ib``, into ``h``. Rows from this rank were never copied: they are read in place.
@@ -165,11 +168,17 @@ def routed_gate_up_rows(
         # it the row loads are plain loads, not pipelined asynchronous copies, and every wgmma
         # of the tile waits for them (benchmarks/kernel_resources.py reports the loop).
         a_rows = tl.multiple_of(a_rows, 16)
-    if TMA:
+    w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+    if ONE_DOT:  # gate and up blocks side by side in one dot (Tiles.gate_up_one_dot)
+        if TMA:
+            acc_g, acc_u = gate_up_pair_acc_tma(a_rows, n_rows, w_gate_up_desc, 2 * e, ib * BN_GU, H, ROWS, BN_GU, BK,
+                                                DOT_DTYPE, STAGES)
+        else:
+            acc_g, acc_u = gate_up_pair_acc(a_rows, n_rows, w_e, ib * BN_GU, H, I, ROWS, BN_GU, BK, DOT_DTYPE, STAGES)
+    elif TMA:
         acc_g, acc_u = gate_up_acc_tma(a_rows, n_rows, w_gate_up_desc, e * 2 * I, w_gate_up_desc, e * 2 * I + I,
                                        ib * BN_GU, H, ROWS, BN_GU, BK, DOT_DTYPE, STAGES)
     else:
-        w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
         acc_g, acc_u = gate_up_acc(a_rows, n_rows, w_e, w_e + I * H, ib * BN_GU, H, I, ROWS, BN_GU, BK,
                                    DOT_DTYPE, STAGES)
     cols = ib * BN_GU + tl.arange(0, BN_GU)
@@ -238,7 +247,7 @@ def expert_forward_kernel(
     # Tiles.
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
     BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -398,7 +407,7 @@ def expert_forward_kernel(
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
                                         h_r, saved_ptr, slot_ptr, save_cap, H, I, TOP_K, T_MAX, C_RECV_SRC, C_RECV_ENT,
-                                        BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA, ROWS_ALIGNED)
+                                        BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA, ROWS_ALIGNED, GU_ONE_DOT)
                     signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
                     g, open_q = settle_ticket(nxt, n_gu, open_q, OPEN_GATE_UP)
                     did = 4

@@ -64,6 +64,46 @@ def gate_up_acc(
 
 
 @triton.jit
+def split_gate_up(acc, BM: tl.constexpr, BN: tl.constexpr):
+    """The ``[BM, BN]`` gate and up halves of a ``[BM, 2 BN]`` accumulator laid out ``[gate | up]``.
+
+    In the wgmma accumulator a thread holds column ``c`` and column ``c + BN`` alike, so the
+    reshape, permute and split move no data (no layout conversion in the sm_90 compile).
+    """
+    return acc.reshape([BM, 2, BN]).permute(0, 2, 1).split()
+
+
+@triton.jit
+def gate_up_pair_acc(
+    a_rows, n_rows, w_ptr, n0,
+    K_DIM: tl.constexpr, N_DIM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``gate_up_acc`` for one expert's ``[2 N_DIM, K_DIM]`` gate/up weight (gate rows first) as
+    one dot of ``2 BN`` columns per step: the gate block and the up block side by side.
+
+    One ``BM x 2BN`` dot reads the row block once per step where two ``BM x BN`` dots read it
+    twice, and issues half the wgmma instructions (``m64n256k16`` at 128 columns).
+    """
+    rows = tl.arange(0, BM)
+    pair = tl.arange(0, 2 * BN)
+    cols = n0 + pair % BN
+    ks = tl.arange(0, BK)
+    row_ok = rows < n_rows
+    col_ok = cols < N_DIM
+    a_rows = a_rows[:, None]
+    w_cols = w_ptr + ((pair // BN) * N_DIM + cols).to(tl.int64)[None, :] * K_DIM
+    acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        k_ok = (k0 + ks) < K_DIM
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
+    return split_gate_up(acc, BM, BN)
+
+
+@triton.jit
 def gate_up_tile(
     a_rows, n_rows, w_gate_ptr, w_up_ptr, h_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
@@ -209,6 +249,30 @@ def gate_up_acc_tma(
         acc_g = tl.dot(a, bg.to(DOT_DTYPE).T, acc_g)
         acc_u = tl.dot(a, bu.to(DOT_DTYPE).T, acc_u)
     return acc_g, acc_u
+
+
+@triton.jit
+def gate_up_pair_acc_tma(
+    a_rows, n_rows, w_desc, pair0, n0,
+    K_DIM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``gate_up_pair_acc`` with the weight blocks by TMA: ``w_desc`` views the gate/up weights
+    as ``[2 E, N_DIM, K_DIM]`` (expert ``e``'s gate at ``2e``, its up at ``2e + 1``) with block
+    ``[2, BN, BK]``, so one copy brings both blocks, stacked, and ``pair0 = 2e``. Rows past
+    ``N_DIM`` within a half are zero-filled by the copy engine, never the other half's.
+    """
+    rows = tl.arange(0, BM)
+    ks = tl.arange(0, BK)
+    row_ok = rows < n_rows
+    a_rows = a_rows[:, None]
+    acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :], other=0.0)
+        b = w_desc.load([pair0, n0, k0]).reshape([2 * BN, BK])
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)
+    return split_gate_up(acc, BM, BN)
 
 
 @triton.jit

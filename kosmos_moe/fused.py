@@ -111,17 +111,24 @@ def weight_descriptors(experts: nn.Module, shared_mlp: nn.Module | None, tiles: 
     """TMA descriptors of the routed and shared expert weights, in the forward kernel's order.
 
     Each covers all of a weight's rows (``[experts * rows, K]``), with the block the tiles read:
-    ``[gate_up_cols, depth]`` for gate/up, ``[down_cols, depth]`` for down. Without a shared
-    expert its slots repeat the routed descriptors, which the kernel then never reads.
+    ``[gate_up_cols, depth]`` for gate/up, ``[down_cols, depth]`` for down; with
+    ``tiles.gate_up_one_dot`` the routed gate/up one is ``[2 experts, I, H]`` with block
+    ``[2, gate_up_cols, depth]``. Without a shared expert its slots hold routed descriptors of
+    the shared tiles' blocks, which the kernel then never reads.
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     gu, dn = experts.gate_up_proj, experts.down_proj
     gu_block, dn_block = [tiles.gate_up_cols, tiles.depth], [tiles.down_cols, tiles.depth]
-    w_gu = TensorDescriptor.from_tensor(gu.detach().view(-1, gu.shape[-1]), gu_block)
+    w_gu_rows = TensorDescriptor.from_tensor(gu.detach().view(-1, gu.shape[-1]), gu_block)
+    w_gu = w_gu_rows
+    if tiles.gate_up_one_dot:
+        # [2 E, I, H], block [2, gate_up_cols, depth]: an expert's gate and up blocks of the
+        # same columns in one copy (tile_gemm.gate_up_pair_acc_tma).
+        w_gu = TensorDescriptor.from_tensor(gu.detach().view(-1, gu.shape[-2] // 2, gu.shape[-1]), [2, *gu_block])
     w_dn = TensorDescriptor.from_tensor(dn.detach().view(-1, dn.shape[-1]), dn_block)
     if shared_mlp is None:
-        return w_gu, w_dn, w_gu, w_gu, w_dn
+        return w_gu, w_dn, w_gu_rows, w_gu_rows, w_dn
     return (w_gu, w_dn, TensorDescriptor.from_tensor(shared_mlp.gate_proj.weight.detach(), gu_block),
             TensorDescriptor.from_tensor(shared_mlp.up_proj.weight.detach(), gu_block),
             TensorDescriptor.from_tensor(shared_mlp.down_proj.weight.detach(), dn_block))

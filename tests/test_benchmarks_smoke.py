@@ -73,7 +73,7 @@ def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
     }
     text = (ROOT / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
     commands = [shlex.split(c.split(";;")[0]) for c in re.findall(r"^\s+[\w-]+\)\s+(python .*?;;)", text, re.M)]
-    assert len(commands) == 7, commands
+    assert len(commands) == 8, commands
     for words in commands:
         if words[1:3] == ["-m", "pytest"]:
             files = [w for w in words if w.startswith("tests/")]

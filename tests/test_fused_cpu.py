@@ -23,6 +23,9 @@ CASES = {
     "softmax": dict(
         shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
         counts=[37, 5, 0, 19], workers=1,
+        # Routed gate/up tiles as one dot of both blocks (Tiles.gate_up_one_dot), weights by
+        # TMA through a [2E, I, H] descriptor: I = 20 leaves a half-empty second column block.
+        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=True),
     ),
     "softmax_shared": dict(
         shape=dict(hidden_size=40, moe_intermediate_size=12, num_experts=8, top_k=2, num_shared_experts=2),
@@ -32,6 +35,7 @@ CASES = {
         shape=dict(hidden_size=28, moe_intermediate_size=12, num_experts=16, top_k=4, router="sigmoid_group",
                    n_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=1),
         counts=[21, 0, 40, 3], workers=1,
+        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=True),  # beside the shared expert's two-dot tiles
     ),
     "sigmoid_group": dict(
         shape=dict(hidden_size=20, moe_intermediate_size=36, num_experts=8, top_k=3, router="sigmoid_group",
@@ -41,11 +45,12 @@ CASES = {
         # the other cases read weights by TMA, as on the H200.
         tiles=replace(INTERPRETER_TILES, tma=False),
     ),
-    # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles.
+    # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles;
+    # one-dot gate/up tiles by pointer loads.
     "softmax_rows32": dict(
         shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
         counts=[75, 9, 0, 30], workers=2,
-        tiles=replace(INTERPRETER_TILES, rows=32),
+        tiles=replace(INTERPRETER_TILES, rows=32, tma=False, gate_up_one_dot=True),
     ),
 }
 SKEWS = ("none", "one_expert", "one_rank")
