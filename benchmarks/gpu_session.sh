@@ -29,7 +29,7 @@ mkdir -p "$out"
 run_stage() {
     case "$1" in
         tests-backward) python -m pytest -q -x tests/test_fused_backward_gpu.py tests/test_training_gpu.py ;;
-        tests-forward) python -m pytest -q -x tests/test_fused_gpu.py tests/test_signals_gpu.py \
+        tests-forward) python -m pytest -q -x tests/test_fused_gpu.py tests/test_route_tile_gpu.py tests/test_signals_gpu.py \
                            tests/test_exchange_gpu.py tests/test_distributed_gpu.py ;;
         forward) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                      --out "$out/forward.json" ;;

@@ -15,7 +15,14 @@ def router_logits(
     H: tl.constexpr, E: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr, BK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """fp32 ``x[:BT] @ W^T`` for ``W`` ``[E, H]``; padded rows and columns are zero."""
+    """fp32 ``x[:BT] @ W^T`` for ``W`` ``[E, H]``; padded rows and columns are zero.
+
+    ``PRECISION`` is that of an fp32 dot (``ieee`` under the interpreter, ``tf32x3`` on the
+    GPU). On the GPU, when ``x`` and ``W`` share a 16-bit dtype, the dot takes them as they are:
+    the product of two bf16 (or two fp16) values is exact in fp32 and the tensor cores sum in
+    fp32, so the logits are the fp32 ones, from one 16-bit dot where tf32x3 issues three tf32
+    dots (each at half the 16-bit rate) on operands whose low tf32 parts are zero anyway.
+    """
     rows = tl.arange(0, BT)
     cols = tl.arange(0, E_PAD)
     ks = tl.arange(0, BK)
@@ -26,11 +33,20 @@ def router_logits(
     for k0 in tl.range(0, H, BK, num_stages=2):
         k_ok = (k0 + ks) < H
         a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * H + (k0 + ks)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + cols[None, :] * H + (k0 + ks)[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        if _exact_16bit_products(a, b, PRECISION):
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
     return acc
+
+
+@triton.jit
+def _exact_16bit_products(a, b, PRECISION: tl.constexpr):
+    """Whether a dot of ``a`` and ``b`` as they are gives fp32-exact products (see ``router_logits``)."""
+    return tl.constexpr(PRECISION != "ieee" and a.dtype == b.dtype and a.dtype.primitive_bitwidth == 16)
 
 
 @triton.jit
