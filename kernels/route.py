@@ -50,6 +50,29 @@ def _exact_16bit_products(a, b, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def dot_fp32_bf16(a, b, acc, PRECISION: tl.constexpr):
+    """``acc + a @ b`` to fp32 accuracy for fp32 ``a`` and ``b`` in bf16 or fp32.
+
+    On the GPU a bf16 ``b`` is taken as it is and ``a`` split into three bf16 terms
+    ``a1 + a2 + a3`` (each the bf16 rounding of what the previous ones leave, so the rest is
+    below ``2^-24 |a|``, bf16 having fp32's exponent range): three bf16 dots with exact
+    products and fp32 sums, where tf32x3 issues three tf32 dots at half the bf16 rate. Anything
+    else is the fp32 dot of ``PRECISION``.
+    """
+    if PRECISION != "ieee" and b.dtype == tl.bfloat16:
+        a1 = a.to(tl.bfloat16)
+        rest = a - a1.to(tl.float32)
+        a2 = rest.to(tl.bfloat16)
+        a3 = (rest - a2.to(tl.float32)).to(tl.bfloat16)
+        acc = tl.dot(a1, b, acc)
+        acc = tl.dot(a2, b, acc)
+        acc = tl.dot(a3, b, acc)
+    else:
+        acc = tl.dot(a, b.to(tl.float32), acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def top_k_routing(
     logits, bias_ptr, scale,
     E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,

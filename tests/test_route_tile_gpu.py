@@ -1,10 +1,14 @@
-"""The router tile's logits on the GPU are as accurate as the reference's fp32 ones.
+"""The router's products on the GPU are as accurate as the reference's fp32 ones.
 
 ``kernels.route.router_logits`` takes bf16 tokens and a bf16 router weight as they are (one
 16-bit dot, fp32 sums: the products of two bf16 values are exact in fp32), and an fp32 weight
 through tf32x3. Either way the logits must be fp32 logits: measured against fp64, their error
 stays within a small multiple of torch's fp32 ``F.linear`` on the same values (the reference
 backend's router), or a routing choice near a tie could differ from the reference's.
+
+The backward's router products (fp32 logit gradients times the bf16 router weight or tokens)
+go through ``kernels.route.dot_fp32_bf16``, three bf16 dots of the fp32 operand's bf16 terms:
+held to the same bound.
 """
 
 import pytest
@@ -12,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kosmos_moe.kernels.route import router_logits
+from kosmos_moe.kernels.route import dot_fp32_bf16, router_logits
 
 pytestmark = [
     pytest.mark.gpu,
@@ -54,3 +58,39 @@ def test_router_logits_are_fp32_accurate(shape, weight_dtype):
     theirs = (reference.double() - exact).abs().max().item()
     # fp32 sums of 4096-7168 terms in another order: the same size of error, not the same error.
     assert ours <= 4 * theirs + 1e-6, f"router tile error {ours:.3g} against fp32 F.linear's {theirs:.3g}"
+
+
+@triton.jit
+def _product(a_ptr, b_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    rows, cols, ks = tl.arange(0, M), tl.arange(0, N), tl.arange(0, BK)
+    acc = tl.zeros([M, N], dtype=tl.float32)
+    for k0 in tl.range(0, K, BK, num_stages=1):
+        a = tl.load(a_ptr + rows[:, None] * K + (k0 + ks)[None, :])
+        b = tl.load(b_ptr + (k0 + ks)[:, None] * N + cols[None, :])
+        acc = dot_fp32_bf16(a, b, acc, "tf32x3")
+    tl.store(out_ptr + rows[:, None] * N + cols[None, :], acc)
+
+
+# The router-gradient tile (d logits^T x: 128 x 128, 4096 tokens deep) and the route-backward
+# one (d logits @ W_router: 32 tokens x 64 columns, 256 experts deep).
+@pytest.mark.parametrize("mnk", [(128, 128, 4096), (32, 64, 256)], ids=["router_grad", "route_backward"])
+def test_fp32_by_bf16_products_are_fp32_accurate(mnk):
+    M, N, K = mnk
+    g = torch.Generator(device="cuda").manual_seed(0)
+    # Logit gradients span many binades (softmax and top-k masks make many tiny or zero).
+    a = torch.randn(M, K, device="cuda", generator=g) * 10.0 ** torch.randint(-6, 2, (M, K), device="cuda",
+                                                                             generator=g)
+    a[:, ::7] = 0.0
+    b = torch.randn(K, N, device="cuda", generator=g).to(torch.bfloat16)
+    out = torch.empty(M, N, device="cuda")
+    _product[(1,)](a, b, out, M, N, K, 64, num_warps=8)
+    exact = a.double() @ b.double()
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        reference = a @ b.float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    ours = (out.double() - exact).abs().max().item()
+    theirs = (reference.double() - exact).abs().max().item()
+    assert ours <= 4 * theirs + 1e-9, f"three-term bf16 product error {ours:.3g} against fp32 matmul's {theirs:.3g}"
