@@ -70,12 +70,12 @@ from .queues import (
     claim, combine_destination, count_flags, dispatch_chunk, expert_tasks, fold_block, locate, pick, poll_counts,
     record_missing_counts,
 )
-from .route import router_logits, routing_backward
+from .route import dot_fp32_bf16, router_logits, routing_backward
 from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
     async_proxy_fence, peer_ptr, record_error, signal_add,
 )
-from .tile_gemm import row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
+from .tile_gemm import column_halves, row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
 
 PROFILE_SLOTS = ("idle", "layout", "count_exchange", "dispatch", "swiglu_backward", "dx",
                  "route_backward", "fold", "weight_grad", "router_weight_grad")
@@ -165,7 +165,7 @@ def kept_swiglu_backward(
     two column halves, so that fewer whole tiles are live at once (offline sm_90: 2,796 ->
     784 B of spills, H200: 2.94 -> 2.24 ms busy per worker, DeepSeek-V3 one-rank view)."""
     dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA)
-    lo, hi = tl.split(tl.permute(tl.reshape(dh1, [BM, 2, BN // 2]), (0, 2, 1)))
+    lo, hi = column_halves(dh1, BM, BN // 2)
     part = kept_half_epilogue(lo, kept, wgt, r64, row_ok, n0, hw, dgu, I, BN // 2)
     return part + kept_half_epilogue(hi, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 2)
 
@@ -377,8 +377,9 @@ def expert_backward_kernel(
                         for h0 in tl.range(0, H, BHR, num_stages=1):  # fp32 [E, BHR] operand: one stage
                             cols = h0 + tl.arange(0, BHR)
                             wr = tl.load(router_w_ptr + e_idx[:, None] * H + cols[None, :],
-                                         mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
-                            part = tl.dot(d_logits, wr, input_precision=ROUTER_PRECISION)
+                                         mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0)
+                            part = dot_fp32_bf16(d_logits, wr, tl.zeros([BT, BHR], dtype=tl.float32),
+                                                 ROUTER_PRECISION)
                             tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
                                      mask=tok_ok[:, None] & (cols < H)[None, :])
                         tl.debug_barrier()
@@ -589,14 +590,16 @@ def expert_backward_kernel(
                         ncols = nb * BRN + tl.arange(0, BRN)
                         rr = tl.arange(0, BRK)
                         acc = tl.zeros([BRM, BRN], dtype=tl.float32)
-                        for t0 in tl.range(0, n_tokens, BRK, num_stages=1):  # fp32 operands: one stage
+                        # One stage: the logit gradients are split into bf16 terms in the loop
+                        # (route.dot_fp32_bf16), so no dot could stay in flight.
+                        for t0 in tl.range(0, n_tokens, BRK, num_stages=1):
                             toks = (t0 + rr).to(tl.int64)
                             ok = (t0 + rr) < n_tokens
                             at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],
                                          mask=ok[:, None] & (mcols < E)[None, :], other=0.0)
                             b = tl.load(x_ptr + toks[:, None] * H + ncols[None, :],
-                                        mask=ok[:, None] & (ncols < H)[None, :], other=0.0).to(tl.float32)
-                            acc = tl.dot(tl.trans(at), b, acc, input_precision=ROUTER_PRECISION)
+                                        mask=ok[:, None] & (ncols < H)[None, :], other=0.0)
+                            acc = dot_fp32_bf16(tl.trans(at), b, acc, ROUTER_PRECISION)
                         tl.store(d_router_ptr + mcols[:, None] * H + ncols[None, :], acc,
                                  mask=(mcols < E)[:, None] & (ncols < H)[None, :])
                         did = 9

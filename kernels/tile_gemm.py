@@ -64,13 +64,13 @@ def gate_up_acc(
 
 
 @triton.jit
-def split_gate_up(acc, BM: tl.constexpr, BN: tl.constexpr):
-    """The ``[BM, BN]`` gate and up halves of a ``[BM, 2 BN]`` accumulator laid out ``[gate | up]``.
+def column_halves(tile, BM: tl.constexpr, HALF: tl.constexpr):
+    """The left and right ``[BM, HALF]`` column halves of a ``[BM, 2 HALF]`` tile.
 
-    In the wgmma accumulator a thread holds column ``c`` and column ``c + BN`` alike, so the
+    In a wgmma accumulator a thread holds column ``c`` and column ``c + HALF`` alike, so the
     reshape, permute and split move no data (no layout conversion in the sm_90 compile).
     """
-    return acc.reshape([BM, 2, BN]).permute(0, 2, 1).split()
+    return tl.split(tl.permute(tl.reshape(tile, [BM, 2, HALF]), (0, 2, 1)))
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def gate_up_pair_acc(
         a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
-    return split_gate_up(acc, BM, BN)
+    return column_halves(acc, BM, BN)  # [gate | up]
 
 
 @triton.jit
@@ -272,7 +272,7 @@ def gate_up_pair_acc_tma(
         a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :], other=0.0)
         b = w_desc.load([pair0, n0, k0]).reshape([2 * BN, BK])
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)
-    return split_gate_up(acc, BM, BN)
+    return column_halves(acc, BM, BN)  # [gate | up]
 
 
 @triton.jit
