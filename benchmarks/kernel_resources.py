@@ -277,9 +277,8 @@ def findings(report: dict) -> list[str]:
     if report["wgmma_serialized"]:
         out.append(f"wgmma serialized ({', '.join(report['wgmma_serialized'])})")
     for loop in report["wgmma_loops"]:
-        # Pipelined 16-bit loops are the expert GEMMs. The router gradient's loop runs one
-        # stage: one of its operands is split into bf16 terms in the loop, so no dot of it
-        # could stay in flight anyway (route.dot_fp32_bf16).
+        # 16-bit loops are the expert GEMMs (the router's products are fp32 dots); a loop asked
+        # for one stage has nothing to keep in flight.
         if loop["dtype"] in ("bf16", "f16") and loop["stages"] != 1 and not loop["in_flight"]:
             out.append(f"wgmma loop at {loop['source']} waits for every dot ({loop['plain_loads']} operand "
                        "loads not asynchronous)")

@@ -64,13 +64,13 @@ VARIANTS = {
     "wgrad_pointers": _backward_tiles(wgrad_tma=False),
     "tile_tma": _backward_tiles(tile_tma=True),
     # 128 x 256 weight-gradient tiles (642 vs 556 TFLOP/s in gemm_tiles.py's plain grid, H200),
-    # 3 stages (180 KB of shared memory). Since the router products run as bf16 dots they
-    # compile without wgmma serialization beside the default router-gradient tiles (offline
-    # sm_90, Triton 3.6: 1,604 B of spills against 512 at the default tiles, in the SwiGLU-
-    # backward epilogue and the task loop's carried state, none in a bf16 wgmma loop).
+    # 3 stages (180 KB of shared memory). Since the router-gradient products run two tf32 dots
+    # instead of tf32x3's three they compile without wgmma serialization beside the default
+    # router-gradient tiles (offline sm_90, Triton 3.6: 1,676 B of spills against 572 at the
+    # default tiles, in the SwiGLU-backward epilogue and the task loop's carried state, none in
+    # a bf16 wgmma loop).
     "wgrad_cols256": _backward_tiles(wgrad_cols=256, wgrad_stages=3),
-    # 128 x 256 dx tiles, 4 stages (192 KB): 708 B of spills offline; not beside 128 x 256
-    # weight-gradient tiles (C7512).
+    # 128 x 256 dx tiles, 4 stages (192 KB); not beside 128 x 256 weight-gradient tiles (C7512).
     "dx_cols256": _backward_tiles(dx_cols=256),
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
 }

@@ -49,7 +49,7 @@ TILE_VARIANTS = {
     "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),
     "no_row_hint": dataclasses.replace(GPU_TILES, row_alignment_hint=False),
     "route64_depth32": dataclasses.replace(GPU_TILES, route_tokens=64, route_depth=32),
-    "gate_up_one_dot": dataclasses.replace(GPU_TILES, gate_up_one_dot=True),
+    "gate_up_two_dots": dataclasses.replace(GPU_TILES, gate_up_one_dot=False),
 }
 
 

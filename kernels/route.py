@@ -18,10 +18,9 @@ def router_logits(
     """fp32 ``x[:BT] @ W^T`` for ``W`` ``[E, H]``; padded rows and columns are zero.
 
     ``PRECISION`` is that of an fp32 dot (``ieee`` under the interpreter, ``tf32x3`` on the
-    GPU). On the GPU, when ``x`` and ``W`` share a 16-bit dtype, the dot takes them as they are:
-    the product of two bf16 (or two fp16) values is exact in fp32 and the tensor cores sum in
-    fp32, so the logits are the fp32 ones, from one 16-bit dot where tf32x3 issues three tf32
-    dots (each at half the 16-bit rate) on operands whose low tf32 parts are zero anyway.
+    GPU). tf32x3 adds three tf32 dots of the operands' high and low tf32 parts; when ``x`` and
+    ``W`` are bf16 or fp16 their values are exact in tf32, the low parts are zero, and one tf32
+    dot gives the same sums.
     """
     rows = tl.arange(0, BT)
     cols = tl.arange(0, E_PAD)
@@ -36,37 +35,29 @@ def router_logits(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_ptr + cols[None, :] * H + (k0 + ks)[:, None],
                     mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if _exact_16bit_products(a, b, PRECISION):
-            acc = tl.dot(a, b, acc)
+        # Tested here, not in a helper: Triton 3.6 builds an `if` on a constexpr that a
+        # helper returns as a branch taken at run time.
+        if PRECISION == "tf32x3" and a.dtype.primitive_bitwidth == 16 and b.dtype.primitive_bitwidth == 16:
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
         else:
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
     return acc
 
 
 @triton.jit
-def _exact_16bit_products(a, b, PRECISION: tl.constexpr):
-    """Whether a dot of ``a`` and ``b`` as they are gives fp32-exact products (see ``router_logits``)."""
-    return tl.constexpr(PRECISION != "ieee" and a.dtype == b.dtype and a.dtype.primitive_bitwidth == 16)
+def dot_fp32_by_16bit(a, b, acc, PRECISION: tl.constexpr):
+    """``acc + a @ b`` at ``PRECISION`` for fp32 ``a`` and ``b`` in bf16, fp16 or fp32.
 
-
-@triton.jit
-def dot_fp32_bf16(a, b, acc, PRECISION: tl.constexpr):
-    """``acc + a @ b`` to fp32 accuracy for fp32 ``a`` and ``b`` in bf16 or fp32.
-
-    On the GPU a bf16 ``b`` is taken as it is and ``a`` split into three bf16 terms
-    ``a1 + a2 + a3`` (each the bf16 rounding of what the previous ones leave, so the rest is
-    below ``2^-24 |a|``, bf16 having fp32's exponent range): three bf16 dots with exact
-    products and fp32 sums, where tf32x3 issues three tf32 dots at half the bf16 rate. Anything
-    else is the fp32 dot of ``PRECISION``.
+    With tf32x3 and a 16-bit ``b`` (exact in tf32, its low part zero), two tf32 dots of ``a``'s
+    high and low tf32 parts give tf32x3's sums; tf32x3 issues a third, of zeros. (One bf16 dot
+    per bf16 term of ``a`` is not as good: on the H200 the bf16 tensor cores' sums lose about
+    4 bits against tf32's, tests/test_route_tile_gpu.py.)
     """
-    if PRECISION != "ieee" and b.dtype == tl.bfloat16:
-        a1 = a.to(tl.bfloat16)
-        rest = a - a1.to(tl.float32)
-        a2 = rest.to(tl.bfloat16)
-        a3 = (rest - a2.to(tl.float32)).to(tl.bfloat16)
-        acc = tl.dot(a1, b, acc)
-        acc = tl.dot(a2, b, acc)
-        acc = tl.dot(a3, b, acc)
+    if PRECISION == "tf32x3" and b.dtype.primitive_bitwidth == 16:
+        a_hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+        b = b.to(tl.float32)
+        acc = tl.dot(a_hi, b, acc, input_precision="tf32")
+        acc = tl.dot(a - a_hi, b, acc, input_precision="tf32")
     else:
         acc = tl.dot(a, b.to(tl.float32), acc, input_precision=PRECISION)
     return acc

@@ -57,9 +57,11 @@ class Tiles:
     # Routed gate/up tiles as one dot of 2 x gate_up_cols columns, the gate block and the up
     # block side by side (tile_gemm.gate_up_pair_acc): the row block is read once per step, not
     # twice, and the loop issues half the wgmma (m64n256k16 against m64n128k16) and, by TMA, one
-    # copy for both weight blocks. Offline sm_90 (Triton 3.6), the plain tile: 114 against 145
-    # instructions per step, the same 168 registers and shared memory. Untimed on the GPU.
-    gate_up_one_dot: bool = False
+    # copy for both weight blocks (in the kernel, offline sm_90: 123 against 150 instructions per
+    # step, same registers). H200, benchmarks/layer_forward.py, one run, two dots -> one: gate/up
+    # busy per worker 3.18 -> 2.79 ms and the forward 5.72 -> 5.45 ms (DeepSeek-V3 rank view),
+    # 1.29 -> 1.14 and 2.26 -> 2.15 ms (Qwen3 rank view).
+    gate_up_one_dot: bool = True
 
     def kernel_constants(self) -> dict:
         """The forward kernel's tile constants (``num_warps`` included; ``TMA`` and the row
@@ -178,15 +180,15 @@ class BackwardTiles:
     wgrad_depth: int = 64        # BKW: rows per step of a weight-gradient reduction
     wgrad_rows: int = 128        # BWM
     wgrad_cols: int = 128        # BWN
-    # BRM x BRN: the router weight's gradient tiles (fp32 logit gradients times bf16 tokens as
-    # three bf16 dots on the GPU, kernels.route.dot_fp32_bf16). With tf32x3 dots, 64 x 128 or
+    # BRM x BRN: the router weight's gradient tiles (fp32 logit gradients times bf16 tokens, two
+    # tf32 dots on the GPU, kernels.route.dot_fp32_by_16bit). With tf32x3's three, 64 x 128 or
     # larger ones made ptxas serialize every wgmma of the kernel beside 128 x 256
-    # weight-gradient tiles (C7512, offline sm_90, Triton 3.6); with the bf16 dots they do not.
+    # weight-gradient tiles (C7512, offline sm_90, Triton 3.6); with two they do not.
     router_grad_rows: int = 128
     router_grad_cols: int = 128
-    # BRK: tokens per step of the router-gradient reduction. With tf32x3 dots its loop spilled
-    # at 64 and not at 32 (the kernel 972 against 568 B); with bf16 dots it spills at neither
-    # (offline sm_90, Triton 3.6, DeepSeek-V3 one-rank view: the kernel 512 B at 64, 552 at 32).
+    # BRK: tokens per step of the router-gradient reduction. With tf32x3 its loop spilled at 64
+    # and not at 32 (the kernel 972 against 568 B, offline sm_90, Triton 3.6, DeepSeek-V3
+    # one-rank view); with two tf32 dots the kernel spills 572 B at 64.
     router_grad_depth: int = 64
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF

@@ -22,35 +22,35 @@ INTERPRET = {"TRITON_INTERPRET": "1"}
 CASES = {
     "softmax": dict(
         shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
+        # The default tiles: routed gate/up tiles as one dot of both blocks, weights by TMA
+        # through a [2E, I, H] descriptor (I = 20 leaves a half-empty second column block).
         counts=[37, 5, 0, 19], workers=1,
-        # Routed gate/up tiles as one dot of both blocks (Tiles.gate_up_one_dot), weights by
-        # TMA through a [2E, I, H] descriptor: I = 20 leaves a half-empty second column block.
-        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=True),
     ),
     "softmax_shared": dict(
         shape=dict(hidden_size=40, moe_intermediate_size=12, num_experts=8, top_k=2, num_shared_experts=2),
         counts=[18, 33, 7, 1], workers=3,
+        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=False),  # gate and up blocks as two dots
     ),
     "sigmoid_group_shared": dict(
         shape=dict(hidden_size=28, moe_intermediate_size=12, num_experts=16, top_k=4, router="sigmoid_group",
                    n_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=1),
         counts=[21, 0, 40, 3], workers=1,
-        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=True),  # beside the shared expert's two-dot tiles
     ),
     "sigmoid_group": dict(
         shape=dict(hidden_size=20, moe_intermediate_size=36, num_experts=8, top_k=3, router="sigmoid_group",
                    n_group=2, topk_group=1, routed_scaling_factor=1.5),
         counts=[16, 9, 30, 2], workers=2,
-        # The pointer-load weight tiles (GPUs before Hopper, rows of no multiple of 16 bytes);
-        # the other cases read weights by TMA, as on the H200.
-        tiles=replace(INTERPRETER_TILES, tma=False),
+        # The pointer-load weight tiles (GPUs before Hopper, rows of no multiple of 16 bytes),
+        # two dots per gate/up step; softmax_rows32 has them with one dot. The other cases read
+        # weights by TMA, as on the H200.
+        tiles=replace(INTERPRETER_TILES, tma=False, gate_up_one_dot=False),
     ),
     # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles;
     # one-dot gate/up tiles by pointer loads.
     "softmax_rows32": dict(
         shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
         counts=[75, 9, 0, 30], workers=2,
-        tiles=replace(INTERPRETER_TILES, rows=32, tma=False, gate_up_one_dot=True),
+        tiles=replace(INTERPRETER_TILES, rows=32, tma=False),
     ),
 }
 SKEWS = ("none", "one_expert", "one_rank")
