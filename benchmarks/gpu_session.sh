@@ -38,7 +38,8 @@ run_stage() {
         variants-forward) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank \
                               --out "$out/variants_forward.json" --variants default gate_up_two_dots ;;
         variants) python benchmarks/layer_backward.py --cases dsv3_rank --profile --out "$out/variants.json" \
-                      --variants default shared_recompute wgrad_cols256 dx_cols256 wgrad_tma_store ;;
+                      --variants default shared_recompute wgrad_cols256 dx_cols256 router_grad64 router_depth32 \
+                      wgrad_tma_store ;;
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
                            --out "$out/variants_full.json" --variants default wgrad_tma_store wgrad_cols256 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;

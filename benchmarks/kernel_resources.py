@@ -13,10 +13,10 @@ the GPU would build; nothing runs. What ``--check`` fails on:
   once caused it, and the kernel's SwiGLU-backward, dx and weight-gradient tiles all ran
   without overlapping wgmma. One flat strip loop per task removed it; on the H200 that was
   worth 14% on the SwiGLU-backward tiles and 10% on dx.
-* ptxas C7512: wgmma serialized for lack of registers (128 x 256 weight-gradient tiles beside
-  128 x 256 dx tiles, 128-column SwiGLU-backward tiles with three accumulators, next to
-  everything else the kernel holds).
-* A pipelined 16-bit wgmma loop that waits for every dot before going on. Triton keeps a wgmma in
+* ptxas C7512: wgmma serialized for lack of registers (128 x 256 or 256 x 128 weight-gradient
+  tiles beside router-gradient tiles of 64 x 128 or more, 128-column SwiGLU-backward tiles with
+  three accumulators, next to everything else the kernel holds).
+* A 16-bit wgmma loop that waits for every dot before going on. Triton keeps a wgmma in
   flight only if its shared-memory operands come from the pipeline's multi-buffered
   asynchronous copies; an operand read by a plain load (one the compiler cannot prove
   aligned enough to copy asynchronously) makes every dot of the loop synchronous. The
@@ -277,9 +277,8 @@ def findings(report: dict) -> list[str]:
     if report["wgmma_serialized"]:
         out.append(f"wgmma serialized ({', '.join(report['wgmma_serialized'])})")
     for loop in report["wgmma_loops"]:
-        # 16-bit loops are the expert GEMMs (the router's products are fp32 dots); a loop asked
-        # for one stage has nothing to keep in flight.
-        if loop["dtype"] in ("bf16", "f16") and loop["stages"] != 1 and not loop["in_flight"]:
+        # 16-bit operands are the expert GEMMs; the fp32 router products run one stage.
+        if loop["dtype"] in ("bf16", "f16") and not loop["in_flight"]:
             out.append(f"wgmma loop at {loop['source']} waits for every dot ({loop['plain_loads']} operand "
                        "loads not asynchronous)")
     if report["shared_bytes"] > SM90_SHARED_LIMIT:

@@ -64,14 +64,21 @@ VARIANTS = {
     "wgrad_pointers": _backward_tiles(wgrad_tma=False),
     "tile_tma": _backward_tiles(tile_tma=True),
     # 128 x 256 weight-gradient tiles (642 vs 556 TFLOP/s in gemm_tiles.py's plain grid, H200),
-    # 3 stages (180 KB of shared memory). Since the router-gradient products run two tf32 dots
-    # instead of tf32x3's three they compile without wgmma serialization beside the default
-    # router-gradient tiles (offline sm_90, Triton 3.6: 1,676 B of spills against 572 at the
-    # default tiles, in the SwiGLU-backward epilogue and the task loop's carried state, none in
-    # a bf16 wgmma loop).
-    "wgrad_cols256": _backward_tiles(wgrad_cols=256, wgrad_stages=3),
-    # 128 x 256 dx tiles, 4 stages (192 KB); not beside 128 x 256 weight-gradient tiles (C7512).
-    "dx_cols256": _backward_tiles(dx_cols=256),
+    # which compile without wgmma serialization only beside 64 x 64 router-gradient tiles
+    # (offline sm_90 spills at 73f003d: 2,056 B one rank, 3,580 B an EP=2 rank of 512 tokens,
+    # against 972 and 1,388 at the default tiles; by nvdisasm's line map, in the SwiGLU-backward
+    # epilogue and the task loop's carried state, none in a bf16 wgmma loop).
+    "wgrad_cols256": _backward_tiles(wgrad_cols=256, wgrad_stages=3, router_grad_rows=64, router_grad_cols=64),
+    # 128 x 256 dx tiles, 4 stages (192 KB of shared memory): the same register relief lets
+    # them compile without serialization (offline sm_90, Triton 3.6, at 73f003d: 1,076 B of
+    # spills, against 972 at the default; in the epilogues and the carried state), but
+    # not beside 128 x 256 weight-gradient tiles (C7512, even with 16 x 16 router tiles).
+    "dx_cols256": _backward_tiles(dx_cols=256, router_grad_rows=64, router_grad_cols=64),
+    # The smaller router-gradient tiles alone: what the two variants above pay for their relief.
+    "router_grad64": _backward_tiles(router_grad_rows=64, router_grad_cols=64),
+    # The router-gradient reduction 32 tokens a step: its loop stops spilling (offline sm_90:
+    # the kernel 568 B against 972 B).
+    "router_depth32": _backward_tiles(router_grad_depth=32),
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
 }
 

@@ -70,7 +70,7 @@ from .queues import (
     claim, combine_destination, count_flags, dispatch_chunk, expert_tasks, fold_block, locate, pick, poll_counts,
     record_missing_counts,
 )
-from .route import dot_fp32_by_16bit, router_logits, routing_backward
+from .route import router_logits, routing_backward
 from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
     async_proxy_fence, peer_ptr, record_error, signal_add,
@@ -377,9 +377,8 @@ def expert_backward_kernel(
                         for h0 in tl.range(0, H, BHR, num_stages=1):  # fp32 [E, BHR] operand: one stage
                             cols = h0 + tl.arange(0, BHR)
                             wr = tl.load(router_w_ptr + e_idx[:, None] * H + cols[None, :],
-                                         mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0)
-                            part = dot_fp32_by_16bit(d_logits, wr, tl.zeros([BT, BHR], dtype=tl.float32),
-                                                 ROUTER_PRECISION)
+                                         mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
+                            part = tl.dot(d_logits, wr, input_precision=ROUTER_PRECISION)
                             tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
                                      mask=tok_ok[:, None] & (cols < H)[None, :])
                         tl.debug_barrier()
@@ -590,16 +589,14 @@ def expert_backward_kernel(
                         ncols = nb * BRN + tl.arange(0, BRN)
                         rr = tl.arange(0, BRK)
                         acc = tl.zeros([BRM, BRN], dtype=tl.float32)
-                        # One stage: the logit gradients are split into tf32 parts in the loop
-                        # (route.dot_fp32_by_16bit), so no dot could stay in flight.
-                        for t0 in tl.range(0, n_tokens, BRK, num_stages=1):
+                        for t0 in tl.range(0, n_tokens, BRK, num_stages=1):  # fp32 operands: one stage
                             toks = (t0 + rr).to(tl.int64)
                             ok = (t0 + rr) < n_tokens
                             at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],
                                          mask=ok[:, None] & (mcols < E)[None, :], other=0.0)
                             b = tl.load(x_ptr + toks[:, None] * H + ncols[None, :],
-                                        mask=ok[:, None] & (ncols < H)[None, :], other=0.0)
-                            acc = dot_fp32_by_16bit(tl.trans(at), b, acc, ROUTER_PRECISION)
+                                        mask=ok[:, None] & (ncols < H)[None, :], other=0.0).to(tl.float32)
+                            acc = tl.dot(tl.trans(at), b, acc, input_precision=ROUTER_PRECISION)
                         tl.store(d_router_ptr + mcols[:, None] * H + ncols[None, :], acc,
                                  mask=(mcols < E)[:, None] & (ncols < H)[None, :])
                         did = 9

@@ -15,13 +15,7 @@ def router_logits(
     H: tl.constexpr, E: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr, BK: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    """fp32 ``x[:BT] @ W^T`` for ``W`` ``[E, H]``; padded rows and columns are zero.
-
-    ``PRECISION`` is that of an fp32 dot (``ieee`` under the interpreter, ``tf32x3`` on the
-    GPU). tf32x3 adds three tf32 dots of the operands' high and low tf32 parts; when ``x`` and
-    ``W`` are bf16 or fp16 their values are exact in tf32, the low parts are zero, and one tf32
-    dot gives the same sums.
-    """
+    """fp32 ``x[:BT] @ W^T`` for ``W`` ``[E, H]``; padded rows and columns are zero."""
     rows = tl.arange(0, BT)
     cols = tl.arange(0, E_PAD)
     ks = tl.arange(0, BK)
@@ -32,34 +26,10 @@ def router_logits(
     for k0 in tl.range(0, H, BK, num_stages=2):
         k_ok = (k0 + ks) < H
         a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * H + (k0 + ks)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         b = tl.load(w_ptr + cols[None, :] * H + (k0 + ks)[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        # Tested here, not in a helper: Triton 3.6 builds an `if` on a constexpr that a
-        # helper returns as a branch taken at run time.
-        if PRECISION == "tf32x3" and a.dtype.primitive_bitwidth == 16 and b.dtype.primitive_bitwidth == 16:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
-        else:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=PRECISION)
-    return acc
-
-
-@triton.jit
-def dot_fp32_by_16bit(a, b, acc, PRECISION: tl.constexpr):
-    """``acc + a @ b`` at ``PRECISION`` for fp32 ``a`` and ``b`` in bf16, fp16 or fp32.
-
-    With tf32x3 and a 16-bit ``b`` (exact in tf32, its low part zero), two tf32 dots of ``a``'s
-    high and low tf32 parts give tf32x3's sums; tf32x3 issues a third, of zeros. (One bf16 dot
-    per bf16 term of ``a`` is not as good: on the H200 the bf16 tensor cores' sums lose about
-    4 bits against tf32's, tests/test_route_tile_gpu.py.)
-    """
-    if PRECISION == "tf32x3" and b.dtype.primitive_bitwidth == 16:
-        a_hi = (a.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-        b = b.to(tl.float32)
-        acc = tl.dot(a_hi, b, acc, input_precision="tf32")
-        acc = tl.dot(a - a_hi, b, acc, input_precision="tf32")
-    else:
-        acc = tl.dot(a, b.to(tl.float32), acc, input_precision=PRECISION)
+                    mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
     return acc
 
 

@@ -180,15 +180,14 @@ class BackwardTiles:
     wgrad_depth: int = 64        # BKW: rows per step of a weight-gradient reduction
     wgrad_rows: int = 128        # BWM
     wgrad_cols: int = 128        # BWN
-    # BRM x BRN: the router weight's gradient tiles (fp32 logit gradients times bf16 tokens, two
-    # tf32 dots on the GPU, kernels.route.dot_fp32_by_16bit). With tf32x3's three, 64 x 128 or
-    # larger ones made ptxas serialize every wgmma of the kernel beside 128 x 256
-    # weight-gradient tiles (C7512, offline sm_90, Triton 3.6); with two they do not.
+    # BRM x BRN: the router weight's gradient tiles (fp32 operands, tf32x3 dots on the GPU).
+    # Beside 128 x 256 weight-gradient tiles, 64 x 128 or larger ones make ptxas serialize
+    # every wgmma of the kernel (C7512, offline sm_90, Triton 3.6); 64 x 64 do not.
     router_grad_rows: int = 128
     router_grad_cols: int = 128
-    # BRK: tokens per step of the router-gradient reduction. With tf32x3 its loop spilled at 64
-    # and not at 32 (the kernel 972 against 568 B, offline sm_90, Triton 3.6, DeepSeek-V3
-    # one-rank view); with two tf32 dots the kernel spills 572 B at 64.
+    # BRK: tokens per step of the router-gradient reduction. At 64 its loop spills (about 110
+    # spill instructions per step, offline sm_90, Triton 3.6, DeepSeek-V3 one-rank view; the
+    # kernel 972 B); at 32 it does not (the kernel 568 B). Untimed on the GPU: variant router_depth32.
     router_grad_depth: int = 64
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
