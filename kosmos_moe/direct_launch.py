@@ -18,6 +18,7 @@ trip through Triton's path, which then finds its own cached kernel.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 
 import torch
@@ -55,6 +56,11 @@ class DirectLauncher:
         self.kernel = kernel
         self._compiled: dict[tuple, object] = {}
         self._names = list(kernel.arg_names)
+        # Compile-time constants a call may leave to their defaults (the backward kernel's MODE):
+        # Triton fills them in; the direct path must too.
+        signature = getattr(kernel, "signature", None)
+        self._defaults = {} if signature is None else {
+            name: p.default for name, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
         self.enabled = True
 
     def __call__(self, grid: tuple[int, ...], args: tuple, constants: dict) -> None:
@@ -95,7 +101,8 @@ class DirectLauncher:
         from triton import knobs
 
         # Every parameter in order, compile-time constants included (the launcher skips those).
-        values = list(args) + [constants[name] for name in self._names[len(args):]]
+        values = list(args) + [constants[name] if name in constants else self._defaults[name]
+                               for name in self._names[len(args):]]
         stream = self.current_stream()
         grid = tuple(grid) + (1,) * (3 - len(grid))
         metadata = compiled.launch_metadata(grid, stream, *values)

@@ -5,6 +5,7 @@ here a stand-in kernel records what it is given.
 """
 
 import dataclasses
+import inspect
 
 import pytest
 import torch
@@ -109,6 +110,27 @@ def test_a_change_triton_would_specialise_on_goes_through_triton(launcher, chang
     assert len(launcher.kernel.triton_calls) == 2 and launcher.kernel.compiled.runs == []
     launcher(grid, tuple(args), constants)  # and is then cached under its own key
     assert len(launcher.kernel.triton_calls) == 2 and len(launcher.kernel.compiled.runs) == 1
+
+
+def _kernel_with_defaults(x, n, desc, BLOCK, FLAG, MODE=0):  # the signature FakeKernel stands in for
+    pass
+
+
+def test_a_constant_left_to_its_default_is_passed_at_its_default(monkeypatch):
+    # The backward kernel's MODE: its launcher leaves it out, Triton fills in 0. The direct path
+    # once raised KeyError('MODE') there and fell back to Triton for good (H200, every backward).
+    monkeypatch.setattr(DirectLauncher, "current_device", staticmethod(lambda: 0))
+    monkeypatch.setattr(DirectLauncher, "current_stream", staticmethod(lambda: 1234))
+    kernel = FakeKernel()
+    kernel.arg_names = FakeKernel.arg_names + ["MODE"]
+    kernel.signature = inspect.signature(_kernel_with_defaults)
+    launcher = DirectLauncher(kernel)
+    args, constants = (torch.zeros(4), 3, FakeDescriptor(torch.zeros(4, 4), [4, 4])), {"BLOCK": 1, "FLAG": False}
+    launcher((1,), args, constants)
+    launcher((1,), args, constants)
+    assert launcher.enabled and len(kernel.triton_calls) == 1
+    (run,) = kernel.compiled.runs
+    assert run[9 + 3:] == (1, False, 0)
 
 
 def test_an_argument_of_unknown_type_always_goes_through_triton(launcher):
