@@ -36,7 +36,7 @@ run_stage() {
         backward) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                       --profile --out "$out/backward.json" ;;
         variants-forward) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank \
-                              --out "$out/variants_forward.json" --variants default gate_up_two_dots ;;
+                              --out "$out/variants_forward.json" --variants default down_stages4 ;;
         variants) python benchmarks/layer_backward.py --cases dsv3_rank --profile --out "$out/variants.json" \
                       --variants default shared_recompute wgrad_cols256 dx_cols256 router_grad64 router_depth32 \
                       wgrad_tma_store ;;

@@ -50,6 +50,7 @@ TILE_VARIANTS = {
     "no_row_hint": dataclasses.replace(GPU_TILES, row_alignment_hint=False),
     "route64_depth32": dataclasses.replace(GPU_TILES, route_tokens=64, route_depth=32),
     "gate_up_two_dots": dataclasses.replace(GPU_TILES, gate_up_one_dot=False),
+    "down_stages4": dataclasses.replace(GPU_TILES, down_stages=4),
 }
 
 

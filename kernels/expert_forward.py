@@ -247,6 +247,7 @@ def expert_forward_kernel(
     # Tiles.
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
     BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
+    DN_STAGES: tl.constexpr,
     TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -351,7 +352,7 @@ def expert_forward_kernel(
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
                                      H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
-                                     BM, BN_DN, BK, DOT_DTYPE, STAGES, TMA, SCOPE)
+                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE)
                     q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q
@@ -372,10 +373,10 @@ def expert_forward_kernel(
                     n_rows = tl.minimum(n_tokens - t0, BM)
                     if TMA:
                         acc = down_tile_tma_w(h_s + t0.to(tl.int64) * I_S, n_rows, s_down_desc, 0, hb * BN_DN,
-                                              I_S, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                                              I_S, BM, BN_DN, BK, DOT_DTYPE, DN_STAGES)
                     else:
                         acc = down_tile(h_s + t0.to(tl.int64) * I_S, n_rows, s_down_ptr, hb * BN_DN,
-                                        I_S, H, BM, BN_DN, BK, DOT_DTYPE, STAGES)
+                                        I_S, H, BM, BN_DN, BK, DOT_DTYPE, DN_STAGES)
                     toks = t0 + tl.arange(0, BM)
                     row_ok = tl.arange(0, BM) < n_rows
                     cols = hb * BN_DN + tl.arange(0, BN_DN)

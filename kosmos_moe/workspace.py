@@ -51,6 +51,10 @@ class Tiles:
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
     stages: int = 3
+    # Pipeline stages of the down tiles (routed and shared; 48 KB each at 128 x 256 x 64). Their
+    # reduction is only I deep (32 steps at DeepSeek-V3), so a deeper pipeline may hide more of
+    # each tile's start; 4 fits (192 KB). Untimed: variant down_stages4.
+    down_stages: int = 3
     warps: int = 8
     tma: bool = True             # weight blocks by TMA where the device and strides allow it (kosmos_moe.fused.weight_descriptors)
     row_alignment_hint: bool = True  # tell the compiler gate/up rows are 16-byte aligned when they are (expert_forward)
@@ -69,7 +73,7 @@ class Tiles:
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols, BM=self.rows,
             BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth, BTF=self.fold_tokens, BHF=self.fold_cols,
-            STAGES=self.stages, GU_ONE_DOT=self.gate_up_one_dot, num_warps=self.warps,
+            STAGES=self.stages, DN_STAGES=self.down_stages, GU_ONE_DOT=self.gate_up_one_dot, num_warps=self.warps,
         )
 
 
@@ -79,7 +83,7 @@ GPU_TILES = Tiles()
 # left the CPU forward on 1-token, 1-column fold blocks, 3 stages and 8 warps.
 INTERPRETER_TILES = Tiles(
     route_tokens=16, route_depth=16, dispatch_rows=16, dispatch_cols=32, rows=16, gate_up_cols=16, down_cols=16,
-    depth=16, fold_tokens=16, fold_cols=32, stages=1, warps=1,
+    depth=16, fold_tokens=16, fold_cols=32, stages=1, down_stages=1, warps=1,
 )
 
 
