@@ -45,7 +45,7 @@ class Tiles:
     dispatch_rows: int = 32      # BR: rows per dispatch chunk
     dispatch_cols: int = 512     # BH: columns per copy step
     rows: int = 128              # BM: rows per expert tile
-    gate_up_cols: int = 128      # BN of the gate/up tiles (two accumulators)
+    gate_up_cols: int = 128      # BN of the gate/up tiles: columns of gate and of up each
     down_cols: int = 256         # BN of the down tiles: 554 vs 440 TFLOP/s at 128 (benchmarks/gemm_tiles.py, H200)
     depth: int = 64              # BK
     fold_tokens: int = 16        # BTF
