@@ -18,7 +18,7 @@ rank, dominated by ``R x H``: the price of never waiting on the host for the rea
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -29,6 +29,25 @@ _ALIGN = 256
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def check_tile_sizes(tiles) -> None:
+    """Raise ``ValueError`` naming every bad size of a tiles dataclass: pipeline depths and strip
+    lengths (fields ending in ``stages`` or ``strip``) must be positive, every other size (block
+    shapes, which index ``tl.arange``, and warps) a power of two; Triton would otherwise fail
+    deep inside the compile of the whole kernel."""
+    bad = []
+    for f in fields(tiles):
+        v = getattr(tiles, f.name)
+        if f.type not in (int, "int"):
+            continue
+        counts = f.name.endswith(("stages", "strip"))
+        if v < 1 or (not counts and v & (v - 1)):
+            bad.append(f"{f.name}={v}")
+    if bad:
+        kind = type(tiles).__name__
+        raise ValueError(f"{kind}: depths and strips must be positive, block sizes and warps powers of two: "
+                         + ", ".join(bad))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +85,9 @@ class Tiles:
     # busy per worker 3.18 -> 2.79 ms and the forward 5.72 -> 5.45 ms (DeepSeek-V3 rank view),
     # 1.29 -> 1.14 and 2.26 -> 2.15 ms (Qwen3 rank view).
     gate_up_one_dot: bool = True
+
+    def __post_init__(self) -> None:
+        check_tile_sizes(self)
 
     def kernel_constants(self) -> dict:
         """The forward kernel's tile constants (``num_warps`` included; ``TMA`` and the row
@@ -222,6 +244,7 @@ class BackwardTiles:
     tile_tma: bool = False
 
     def __post_init__(self) -> None:
+        check_tile_sizes(self)
         if self.swiglu_cols % self.recompute_cols:
             raise ValueError(
                 f"swiglu_cols={self.swiglu_cols} must be a multiple of recompute_cols={self.recompute_cols}")

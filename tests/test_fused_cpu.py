@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from kosmos_moe import ExpertLayer
-from kosmos_moe.workspace import INTERPRETER_TILES
+from kosmos_moe.workspace import INTERPRETER_TILES, BackwardTiles
 from multiprocess import run_world
 
 INTERPRET = {"TRITON_INTERPRET": "1"}
@@ -204,6 +204,15 @@ def test_bad_calls_are_refused():
 def test_kosmos_needs_max_tokens():
     with pytest.raises(ValueError, match="pass max_tokens_per_rank"):
         ExpertLayer(16, 16, 4, 2, backend="kosmos")
+
+
+def test_bad_tile_sizes_are_refused():
+    # Named at construction, not as a Triton error deep in the compile of the whole kernel.
+    with pytest.raises(ValueError, match=r"Tiles: .*rows=96, down_stages=0"):
+        replace(INTERPRETER_TILES, rows=96, down_stages=0)
+    with pytest.raises(ValueError, match=r"BackwardTiles: .*dx_cols=100, wgrad_strip=0"):
+        BackwardTiles(dx_cols=100, wgrad_strip=0)
+    replace(INTERPRETER_TILES, stages=3, down_stages=5)  # depths need not be powers of two
 
 
 def check_cpu_needs_interpreter(rank, world):
