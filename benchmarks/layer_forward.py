@@ -51,6 +51,9 @@ TILE_VARIANTS = {
     "route64_depth32": dataclasses.replace(GPU_TILES, route_tokens=64, route_depth=32),
     "gate_up_two_dots": dataclasses.replace(GPU_TILES, gate_up_one_dot=False),
     "down_stages4": dataclasses.replace(GPU_TILES, down_stages=4),
+    # Four stages for every expert tile (196,640 B of shared memory offline): more weight
+    # bytes in flight per worker where the weights' bandwidth bounds the layer (256 experts).
+    "all_stages4": dataclasses.replace(GPU_TILES, stages=4, down_stages=4),
 }
 
 
