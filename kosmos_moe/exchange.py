@@ -94,8 +94,10 @@ class ExpertExchange:
         if self._dtype is not None and x.dtype != self._dtype:
             raise TypeError(f"this exchange moves {self._dtype} rows, got {x.dtype}")
         launch.raise_if_failed(block=False)
-        launch._check_tokens(x)
-        launch.prepare(x.dtype)
+        problem = launch._token_problem(x)
+        launch.prepare(x.dtype)  # the first call's collective, joined before refusing a call
+        if problem is not None:
+            raise ValueError(problem)
         self._dtype = x.dtype
         t = launch.tiles
         top_e = topk_idx.to(torch.int32).contiguous()

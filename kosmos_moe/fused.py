@@ -352,15 +352,21 @@ class _PersistentLaunch:
             SCOPE=self.fabric.signal_scope,
         )
 
-    def _check_tokens(self, tokens: torch.Tensor) -> None:
+    def _token_problem(self, tokens: torch.Tensor) -> str | None:
+        """Why this rank's call cannot run on ``tokens`` (too many, wrong device), or None.
+
+        Callers join the call's collectives (the first call's workspace and barrier) before
+        raising it: a rank that raised before them would leave its peers blocked in a
+        collective without a bound, where after them its peers' kernels time out waiting for
+        its launch and raise an error naming it.
+        """
         n = tokens.shape[0]
         if n > self.max_tokens:
-            raise ValueError(
-                f"{n} tokens on rank {self.fabric.rank}, but the layer was built for max_tokens_per_rank="
-                f"{self.max_tokens}; rebuild it with a larger bound"
-            )
+            return (f"{n} tokens on rank {self.fabric.rank}, but the layer was built for max_tokens_per_rank="
+                    f"{self.max_tokens}; rebuild it with a larger bound")
         if tokens.device != self.fabric.device:
-            raise ValueError(f"tokens are on {tokens.device}, the fabric of this layer on {self.fabric.device}")
+            return f"tokens are on {tokens.device}, the fabric of this layer on {self.fabric.device}"
+        return None
 
     def profile_report(self) -> dict[str, dict[str, float]]:
         """Per task kind: worker-seconds spent and passes, summed over the profiled calls."""
@@ -508,20 +514,22 @@ class FusedForward(_PersistentLaunch):
         and fp32 weights ``[T, K]``, and the kept gate/up projections (:class:`SavedGateUp`).
         """
         self.raise_if_failed(block=False)
-        self._check_tokens(tokens)
+        problem = self._token_problem(tokens)
         n, hidden = tokens.shape
         self.prepare(tokens.dtype)
         tokens = tokens.contiguous()
-        out = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=tokens.device)
+        out = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=self.fabric.device)
         if self.fabric.device.type == "cuda":
             _HostRecords.reserve()
             # A training forward also readies its backward: a layer that first ran without
             # grad would otherwise compile and allocate at its first backward, with peers waiting.
             with_backward = self.backward_at_prepare or keep_routing
             if not self._warm or (with_backward and not self.backward.warm):
-                self._warm_up(tokens if n > 0 else out, out, layer, with_backward)
+                self._warm_up(tokens if n > 0 and problem is None else out, out, layer, with_backward)
                 # Ranks compile at their own pace; their first launches start together.
                 self.fabric.barrier()
+        if problem is not None:
+            raise ValueError(problem)
         saved = self._saved_gate_up(n, tokens.dtype, layer.shared_experts is not None) if keep_routing else None
         self._launch(tokens if n > 0 else out, out, n, layer, warmup=False, saved=saved)
         lay, c = self.layout, self.config
@@ -696,9 +704,11 @@ class FusedBackward(_PersistentLaunch):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``(grad_x, grad_router_weight (fp32), grad_gate_up_proj, grad_down_proj)``."""
         self.raise_if_failed(block=False)
-        self._check_tokens(tokens)
+        problem = self._token_problem(tokens)
         n, hidden = tokens.shape
         self.prepare(tokens.dtype)
+        if problem is not None:
+            raise ValueError(problem)
         c = self.config
         tokens = tokens.contiguous()
         grad_out = grad_out.to(tokens.dtype).contiguous()
