@@ -10,6 +10,9 @@ import torch.multiprocessing as mp
 
 import interpreter_patching
 
+#: The children's environment of a world that runs the kernels under Triton's interpreter.
+INTERPRET = {"TRITON_INTERPRET": "1"}
+
 
 def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from kosmos_moe import ExpertLayer
-from multiprocess import run_world
+from multiprocess import INTERPRET, run_world
 
 SHAPE = dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3, router="sigmoid_group", n_group=2,
              topk_group=1, routed_scaling_factor=1.5, num_shared_experts=1)
@@ -51,7 +51,7 @@ def check_layer(rank, world, counts):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_deepep_backend_matches_reference(world):
-    run_world(world, check_layer, [13, 7][:world], env={"TRITON_INTERPRET": "1"})
+    run_world(world, check_layer, [13, 7][:world], env=INTERPRET)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("deep_ep") is not None, reason="DeepEP is installed here")

@@ -9,10 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from multiprocess import run_world
+from exchange_cases import E, H, K, batch, combined_stand_in, dispatched_rows, rows_per_local_expert
+from multiprocess import INTERPRET, run_world
 
-INTERPRET = {"TRITON_INTERPRET": "1"}
-E, K, H = 8, 3, 24
 
 
 def make_exchange(rank, world, max_tokens):
@@ -23,44 +22,24 @@ def make_exchange(rank, world, max_tokens):
     return ExpertExchange(E, K, H, max_tokens, fabric, workers=2)
 
 
-def batch(counts, seed):
-    g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(n, H, generator=g) for n in counts]
-    idx = [torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]) if n else torch.zeros(0, K, dtype=torch.long)
-           for n in counts]
-    for i in idx:
-        if len(i) > 2:
-            i[1, -1] = -1  # a token with one choice fewer
-    ws = [torch.rand(n, K, generator=g) for n in counts]
-    return xs, idx, ws
-
-
 def check_round_trip(rank, world, counts):
     ex = make_exchange(rank, world, max(counts) + 2)
     L = E // world
     for call in range(2):  # the second call runs on the next epoch and parity
         xs, idx, ws = batch(counts, seed=call)
         rows, handle = ex.dispatch(xs[rank], idx[rank], ws[rank])
-        expected = [xs[s][t] for el in range(L) for s in range(world) for t in range(counts[s])
-                    if (idx[s][t] == rank * L + el).any()]
+        expected = dispatched_rows(xs, idx, rank, world)
         n = int(handle.num_rows)
         assert n == len(expected)
         if n:
             torch.testing.assert_close(rows[:n], torch.stack(expected), rtol=0, atol=0)
-        assert handle.tokens_per_expert.tolist() == [
-            sum(int((idx[s] == rank * L + el).any(1).sum()) for s in range(world)) for el in range(L)
-        ]
+        assert handle.tokens_per_expert.tolist() == rows_per_local_expert(idx, rank, world)
         # A stand-in for the experts: y = 2 * row + global expert id.
         expert_of_row = rank * L + torch.repeat_interleave(torch.arange(L), handle.tokens_per_expert)
         y = rows.clone()
         y[:n] = 2 * rows[:n] + expert_of_row[:, None].float()
         out = ex.combine(y, handle)
-        ref = torch.zeros(counts[rank], H)
-        for t in range(counts[rank]):
-            for k in range(K):
-                e = int(idx[rank][t, k])
-                if e >= 0:
-                    ref[t] += ws[rank][t, k] * (2 * xs[rank][t] + e)
+        ref, _ = combined_stand_in(xs[rank], idx[rank], ws[rank], torch.float32)
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 

@@ -10,8 +10,8 @@ semantics at world 1 on CUDA (a one-GPU machine has no second process with its o
 import pytest
 import torch
 
-from test_deepep_compat_cpu import check_buffer
-from test_exchange_cpu import E, H, K, batch
+from deepep_semantics import check_buffer
+from exchange_cases import E, H, K, batch, combined_stand_in, dispatched_rows
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,8 +39,7 @@ def test_round_trip_in_emulated_world(world, dtype):
         ys = []
         for rank, (rows, handle) in enumerate(sent):
             exchanges[rank].launch.raise_if_failed()
-            expected = [xs[s][t] for el in range(L) for s in range(world) for t in range(counts[s])
-                        if (idx[s][t] == rank * L + el).any()]
+            expected = dispatched_rows(xs, idx, rank, world)
             n = int(handle.num_rows)
             assert n == len(expected)
             if n:
@@ -52,15 +51,7 @@ def test_round_trip_in_emulated_world(world, dtype):
         outs = emulated.run(lambda r, y, s: exchanges[r].combine(y, s[1]), ys, sent)
         torch.cuda.synchronize()
         for rank in range(world):
-            ref = torch.zeros(counts[rank], H, device="cuda")
-            size = torch.zeros(counts[rank], H, device="cuda")  # sum of |terms|
-            for t in range(counts[rank]):
-                for k in range(K):
-                    e = int(idx[rank][t, k])
-                    if e >= 0:
-                        term = ws[rank][t, k] * (2 * xs[rank][t].float() + e).to(dtype).float()
-                        ref[t] += term
-                        size[t] += term.abs()
+            ref, size = combined_stand_in(xs[rank], idx[rank], ws[rank], dtype)
             # Each weighted row is rounded to the row dtype in the combine buffer, then the fold
             # sums them in fp32 and rounds once more: at most one ulp (2^-7 of |v| in bf16, 8
             # significant bits) of every term and of the sum, even for truncating conversions.

@@ -27,7 +27,7 @@ def check_equivalence(rank: int, world: int, case: str, counts: list[int], skew:
     full = ExpertLayer(**shape, dtype=torch.float64)
     if full.gate.e_score_correction_bias is not None:
         full.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
-    if skew:  # every token's choice lands on the last rank's experts
+    if skew:  # every token chooses the last top_k experts (the last rank's, or the last two ranks')
         with torch.no_grad():
             full.gate.weight[-shape["top_k"]:] += 5.0
     ep = ExpertLayer(**shape, group=dist.group.WORLD, dtype=torch.float64)
@@ -49,6 +49,9 @@ def check_equivalence(rank: int, world: int, case: str, counts: list[int], skew:
     x = all_x[rank].clone().requires_grad_(True)
     out = ep(x)
     (out * all_ct[rank]).sum().backward()
+    if skew:
+        assert ep.tokens_per_expert[:-shape["top_k"]].sum() == 0, f"rank {rank}: the skew missed a choice"
+        assert ep.tokens_per_expert[-shape["top_k"]:].tolist() == [counts[rank]] * shape["top_k"]
 
     # fp64 experts, fp32 routing weights: compare at fp32 precision. The router's fp32 logits
     # are sums in a different order on each side (a GEMM over other rows), so they may differ

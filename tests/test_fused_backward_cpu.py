@@ -1,6 +1,6 @@
 """The fused backward under Triton's interpreter, in emulated worlds of CPU processes, fp32.
 
-Same worlds, cases and tokens as tests/test_fused_cpu.py (whose builders this file reuses, so
+Same worlds, cases and tokens as tests/test_fused_cpu.py (tests/fused_cases.py, so
 that the routing of every token is one the forward tests already check). Each rank runs
 ``loss = sum(out_r * g_r)`` backward through its fused layer; the reference is one rank of
 ``backend="reference"`` holding all experts:
@@ -13,12 +13,15 @@ that the routing of every token is one the forward tests already check). Each ra
   all-reduce them), and their sum over the ranks is the full reference's gradient.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from multiprocess import run_world
-from test_fused_cpu import CASES, INTERPRET, build, tokens
+from fused_cases import CASES, build, tokens
+from kosmos_moe import ExpertLayer
+from multiprocess import INTERPRET, run_world
 
 # fp32 on both sides; the kernel sums in other orders and tiles (rows in tiles of 16, the
 # weight gradients as per-tile partial sums, the SwiGLU activations recomputed). Every
@@ -126,13 +129,13 @@ def starts(counts):
     return [sum(counts[:r]) for r in range(len(counts))]
 
 
-def check_case(rank, world, case, skew, **fused_options):
+def check_case(rank, world, case, skew, counts=None, max_tokens=None, **fused_options):
     spec = CASES[case]
-    counts = spec["counts"][:world]
+    counts = counts or spec["counts"][:world]
     hidden = spec["shape"]["hidden_size"]
-    full, fused = build(rank, world, case, skew, max_tokens=max(counts) + 3, **fused_options)
+    full, fused = build(world, case, skew, max_tokens=max_tokens or max(counts) + 3, **fused_options)
     what = f"{case}/{skew} world {world} {fused_options}"
-    xs = tokens(rank, counts, hidden, seed=1, positive=skew != "none")
+    xs = tokens(counts, hidden, seed=1, positive=skew != "none")
     gs = cotangents(counts, hidden, seed=1)
     start, n = starts(counts)[rank], counts[rank]
 
@@ -145,19 +148,45 @@ def check_case(rank, world, case, skew, **fused_options):
                                msg=lambda m: f"{what} rank {rank} output: {m}")
     assert_grad_close(x_grad, ref_x_grad[start:start + n], f"{what} rank {rank}: x.grad")
     check_param_grads(rank, world, fused, full_grads, own_grads, what)
-    if skew == "one_rank" and rank < world - 1:  # no row reached this rank's experts
-        assert not fused.experts.gate_up_proj.grad.any() and not fused.experts.down_proj.grad.any()
+    if skew == "one_expert" and n:
+        assert fused.tokens_per_expert[-1] == n, f"{what}: a token's choices missed the skewed expert"
+    if skew == "one_rank":
+        local = fused.config.num_experts // world
+        assert fused.tokens_per_expert[:-local].sum() == 0, f"{what}: a choice left the last rank"
+        if rank < world - 1:  # no row reached this rank's experts
+            assert not fused.experts.gate_up_proj.grad.any() and not fused.experts.down_proj.grad.any()
 
     # A no-grad forward computes the same function (the grad-mode one may keep more state, so
-    # compare at the forward's tolerance) and leaves the accumulated gradients alone.
+    # compare at the forward's tolerance), keeps nothing for a backward and leaves the
+    # accumulated gradients alone.
     grads_before = {name: p.grad.clone() for name, p in fused.named_parameters()}
-    with torch.no_grad():
+    with torch.no_grad(), count_saves(fused) as saves:
         out_no_grad = fused(xs[rank])
+    assert saves == [], f"{what}: a no-grad forward kept gate/up projections for a backward"
     assert out_no_grad.grad_fn is None and not out_no_grad.requires_grad
     torch.testing.assert_close(out_no_grad, out, rtol=OUT_RTOL, atol=atol,
                                msg=lambda m: f"{what} rank {rank} no-grad output: {m}")
     for name, p in fused.named_parameters():
         assert torch.equal(p.grad, grads_before[name]), f"{what}: a no-grad forward changed {name}.grad"
+
+
+@contextlib.contextmanager
+def count_saves(layer):
+    """Within: the row counts of every ``SavedGateUp`` the layer's fused forward allocates (what
+    a training call keeps for its backward)."""
+    launcher = layer.fused()
+    made = []
+    allocate = launcher._saved_gate_up
+
+    def recorded(n, *args):
+        made.append(n)
+        return allocate(n, *args)
+
+    launcher._saved_gate_up = recorded
+    try:
+        yield made
+    finally:
+        del launcher._saved_gate_up
 
 
 def check_cases(rank, world, items, **fused_options):
@@ -175,10 +204,71 @@ def test_backward_matches_reference(world):
 def test_backward_skewed_routing(world):
     """Every token's first choice one expert; every choice on the last rank's experts."""
     items = {
-        2: [("softmax", "one_expert"), ("sigmoid_group_shared", "one_rank"), ("softmax_shared", "one_rank")],
+        2: [("softmax", "one_expert"), ("sigmoid_group", "one_expert"), ("sigmoid_group_shared", "one_rank"),
+            ("softmax_shared", "one_rank")],
         4: [("softmax_shared", "one_rank")],  # two local experts per rank, top_k 2
     }[world]
     run_world(world, check_cases, items, env=INTERPRET)
+
+
+def check_full_capacity(rank, world, case):
+    """Every rank sends ``max_tokens_per_rank`` tokens and every choice lands on the last rank's
+    experts: that rank receives the workspace's documented worst case, ``W T min(K, E/W)`` rows."""
+    spec = CASES[case]
+    top_k, experts = spec["shape"]["top_k"], spec["shape"]["num_experts"]
+    full = max(spec["counts"])
+    _, fused = build(world, case, "one_rank", max_tokens=full)
+    fused.fused().prepare(torch.float32)
+    assert fused.fused().layout.recv_rows == world * full * min(top_k, experts // world)
+    check_case(rank, world, case, "one_rank", counts=[full] * world, max_tokens=full)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_full_capacity(world):
+    run_world(world, check_full_capacity, "softmax_shared", env=INTERPRET)
+
+
+def check_peer_skips_backward(rank, world):
+    from kosmos_moe.fused import ExpertLayerTimeout
+
+    torch.manual_seed(0)
+    layer = ExpertLayer(16, 16, 4, 2, backend="kosmos", group=dist.group.WORLD, max_tokens_per_rank=8)
+    x = torch.randn(5, 16, requires_grad=True)
+    out = layer(x)
+    if rank == 1:
+        return  # its forward ran; its backward never launches
+    layer.fused().backward.wait_bound = 30
+    with pytest.raises(ExpertLayerTimeout, match="backward on rank 0 of 2 .*count-exchange signal of rank 1"):
+        out.backward(torch.ones_like(out))
+    with pytest.raises(ExpertLayerTimeout):  # a failed world stays failed, for either direction
+        with torch.no_grad():
+            layer(x)
+
+
+def test_backward_timeout_names_rank_and_signal():
+    """The backward's waits are bounded as the forward's: a peer that never launches its
+    backward makes this rank's raise an error naming that peer, not hang."""
+    run_world(2, check_peer_skips_backward, env=INTERPRET)
+
+
+def check_grad_mode_without_trainable(rank, world, case):
+    """In grad mode, a call where neither the input nor any parameter needs a gradient keeps
+    nothing, as under no_grad; one whose input does keeps the projections of its rows."""
+    spec = CASES[case]
+    counts = spec["counts"][:world]
+    _, fused = build(world, case, "none", max_tokens=max(counts) + 3)
+    x = tokens(counts, spec["shape"]["hidden_size"], seed=11, positive=False)[rank]
+    for p in fused.parameters():
+        p.requires_grad_(False)
+    with count_saves(fused) as saves:
+        out = fused(x)
+        assert out.grad_fn is None and saves == []
+        out = fused(x.clone().requires_grad_(True))
+        assert out.grad_fn is not None and saves == [len(x)]
+
+
+def test_grad_mode_without_trainable_saves_nothing():
+    run_world(1, check_grad_mode_without_trainable, "softmax_shared", env=INTERPRET)
 
 
 def check_gemm_operands(rank, world, items, tma):
@@ -188,7 +278,7 @@ def check_gemm_operands(rank, world, items, tma):
 
     tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma)
     check_cases(rank, world, items, backward_tiles=tiles)
-    _, fused = build(rank, world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
+    _, fused = build(world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
     launch.prepare(torch.float32)
     consts = launch._common_constexprs(torch.float32)  # what each launch passes
@@ -207,7 +297,7 @@ def check_kept_rows(rank, world, items, save_gate_up, save_shared):
     from kosmos_moe.fused import SAVED_NONE, SAVED_SOME
 
     check_cases(rank, world, items, save_gate_up=save_gate_up, save_shared=save_shared)
-    _, fused = build(rank, world, items[0][0], "none", max_tokens=8, save_gate_up=save_gate_up,
+    _, fused = build(world, items[0][0], "none", max_tokens=8, save_gate_up=save_gate_up,
                      save_shared=save_shared)
     assert fused.fused().backward.saved == (SAVED_NONE if save_gate_up == 0 else SAVED_SOME)
 
@@ -236,9 +326,9 @@ def check_pattern(rank, world, case, pattern):
     spec = CASES[case]
     hidden = spec["shape"]["hidden_size"]
     counts = [spec["counts"][:world], spec["counts"][:world][::-1]]
-    full, fused = build(rank, world, case, "none", max_tokens=max(counts[0]) + 3)
+    full, fused = build(world, case, "none", max_tokens=max(counts[0]) + 3)
     what = f"{case} world {world} {pattern}"
-    batches = [(tokens(rank, c, hidden, seed=b + 1, positive=False), cotangents(c, hidden, seed=b + 1))
+    batches = [(tokens(c, hidden, seed=b + 1, positive=False), cotangents(c, hidden, seed=b + 1))
                for b, c in enumerate(counts)]
     xs = [x[rank].clone().requires_grad_(True) for x, _ in batches]
     gs = [g[rank] for _, g in batches]
@@ -274,8 +364,8 @@ def check_input_without_grad(rank, world, case):
     spec = CASES[case]
     hidden = spec["shape"]["hidden_size"]
     counts = spec["counts"][:world]
-    full, fused = build(rank, world, case, "none", max_tokens=max(counts) + 3)
-    xs = tokens(rank, counts, hidden, seed=3, positive=False)
+    full, fused = build(world, case, "none", max_tokens=max(counts) + 3)
+    xs = tokens(counts, hidden, seed=3, positive=False)
     gs = cotangents(counts, hidden, seed=3)
     out = fused(xs[rank].unsqueeze(0))
     assert out.shape == (1, counts[rank], hidden) and out.grad_fn is not None
@@ -325,7 +415,7 @@ def check_backward_order(rank, world, case):
     spec = CASES[case]
     hidden = spec["shape"]["hidden_size"]
     counts = spec["counts"][:world]
-    _, fused = build(rank, world, case, "none", max_tokens=max(counts) + 3)
+    _, fused = build(world, case, "none", max_tokens=max(counts) + 3)
     fused.compute_aux_loss = True
     order = []
     record_backward_launches(fused, lambda: order.append("fused"))
@@ -341,7 +431,7 @@ def check_backward_order(rank, world, case):
     for name, p in fused.named_parameters():
         if name.startswith("shared_experts"):
             p.register_hook(lambda g, name=name: order.append(name))
-    x = tokens(rank, counts, hidden, seed=5, positive=False)[rank].requires_grad_(True)
+    x = tokens(counts, hidden, seed=5, positive=False)[rank].requires_grad_(True)
     g = cotangents(counts, hidden, seed=5)[rank]
     out = fused(x)
     ((out * g).sum() + fused.aux_loss).backward()
@@ -374,8 +464,8 @@ def check_saved_bytes(rank, world, case, save_shared):
     assert shared_inter > 0, "the case must have shared experts"
     counts = spec["counts"][:world]
     max_tokens = max(counts) + 3
-    _, fused = build(rank, world, case, "none", max_tokens=max_tokens, save_shared=save_shared)
-    x = tokens(rank, counts, hidden, seed=7, positive=False)[rank].requires_grad_(True)
+    _, fused = build(world, case, "none", max_tokens=max_tokens, save_shared=save_shared)
+    x = tokens(counts, hidden, seed=7, positive=False)[rank].requires_grad_(True)
     got = saved_bytes(lambda: fused(x), fused)
     n, es = counts[rank], x.element_size()
     if world == 1:
@@ -401,12 +491,12 @@ def check_only_shared_trains(rank, world, case):
     spec = CASES[case]
     hidden = spec["shape"]["hidden_size"]
     counts = spec["counts"][:world]
-    full, fused = build(rank, world, case, "none", max_tokens=max(counts) + 3)
+    full, fused = build(world, case, "none", max_tokens=max(counts) + 3)
     for p in (fused.gate.weight, fused.experts.gate_up_proj, fused.experts.down_proj):
         p.requires_grad_(False)
     launches = []
     record_backward_launches(fused, lambda: launches.append(1))
-    xs = tokens(rank, counts, hidden, seed=9, positive=False)
+    xs = tokens(counts, hidden, seed=9, positive=False)
     gs = cotangents(counts, hidden, seed=9)
     out = fused(xs[rank])
     assert out.grad_fn is not None

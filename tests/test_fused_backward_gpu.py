@@ -15,36 +15,15 @@ standard of tests/test_fused_gpu.py for the outputs.
 import pytest
 import torch
 
-from kosmos_moe import ExpertLayer
-from kosmos_moe.fabric import EmulatedWorld
+from accuracy import assert_within
+from fused_cases import GPU_COUNTS, GPU_SHAPES, emulated_gpu_world, fp32_truth, skew_tokens
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernel's GPU path needs a CUDA device"),
 ]
 
-# The forward GPU tests' shapes (no power of two; 48 experts divide over 1, 2, 4, 8 ranks) and
-# their token counts (uneven, no multiple of a tile, rank 3 without tokens), so that every
-# token's routing is one the forward tests already check.
-SHAPES = {
-    "softmax": dict(hidden_size=1544, moe_intermediate_size=392, num_experts=48, top_k=8),
-    "sigmoid_group_shared": dict(
-        hidden_size=1544, moe_intermediate_size=392, num_experts=48, top_k=8, router="sigmoid_group",
-        n_group=8, topk_group=4, routed_scaling_factor=2.5, num_shared_experts=1,
-    ),
-    "softmax_shared": dict(hidden_size=1032, moe_intermediate_size=200, num_experts=48, top_k=6, num_shared_experts=2),
-    "sigmoid_group": dict(
-        hidden_size=1032, moe_intermediate_size=200, num_experts=48, top_k=8, router="sigmoid_group",
-        n_group=4, topk_group=2, routed_scaling_factor=1.0,
-    ),
-    # DeepSeek-V3's routing (8 of 64 experts in 4 of 8 groups, scaled sigmoid weights, one shared
-    # expert) and its experts-per-rank at 8 ranks, at a hidden size of 1024 + 8.
-    "deepseek_v3_like": dict(
-        hidden_size=1032, moe_intermediate_size=264, num_experts=64, top_k=8, router="sigmoid_group",
-        n_group=8, topk_group=4, routed_scaling_factor=2.5, num_shared_experts=1,
-    ),
-}
-COUNTS = [517, 1, 300, 0, 129, 700, 64, 255]
+SHAPES, COUNTS = GPU_SHAPES, GPU_COUNTS  # the forward GPU tests' (tests/fused_cases.py)
 DEEPSEEK_COUNTS = [1000, 1017, 0, 993, 1024, 1, 998, 1011]
 # Polls before a kernel gives up. 1 << 22 polls of the count exchange took under 1.6 s on the
 # H200 (a forward timed out while its peer's launch came 1.57 s after its own): too tight for a
@@ -55,45 +34,14 @@ EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 REPLICATED = ("gate.weight", "shared_experts.gate_proj.weight", "shared_experts.up_proj.weight",
               "shared_experts.down_proj.weight")
 
-# Tolerance. Both the fused kernel and the reference backend compute in bf16 with fp32
-# accumulation, rounding intermediates (activations, expert outputs, row gradients) to bf16 at
-# different points, so neither equals the truth; the fused error (max and mean over a tensor,
-# the max per expert for the expert weights, so that an expert that few rows reached is held to
-# its own scale) may be at most twice the reference's. The floor, FLOOR times the largest
-# |truth| of the tensor (or expert), is one bf16 ulp at that magnitude: a tensor whose reference
-# error happens to be tiny (a few tokens, an exactly representable sum) must still admit the
-# last rounding of a correct result to bf16, and of the bf16 .grad accumulation. Any indexing
-# or reduction bug is O(1) of the scale and far outside either bound.
-FLOOR = 2.0 ** -8
-MEAN_FLOOR = 1e-6
+# Tolerance: tests/accuracy.py (twice the bf16 reference's error against the fp32 truth).
 # Ranks with fewer tokens skip the per-rank router comparison (see check_against_reference).
 ROUTER_MIN_TOKENS = 64
 
 
-def make_world(case, world, skew="none", max_tokens=768):
-    torch.manual_seed(0)
-    shape = SHAPES[case]
-    full = ExpertLayer(**shape, dtype=torch.bfloat16, device="cuda")
-    if full.gate.e_score_correction_bias is not None:
-        full.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
-    with torch.no_grad():
-        if skew == "one_expert":
-            full.gate.weight[-1] = 0.0
-            full.gate.weight[-1, 0] = 10.0
-        elif skew == "one_rank":
-            full.gate.weight[-shape["num_experts"] // world:, 0] += 10.0
-    truth = ExpertLayer(**shape, dtype=torch.float32, device="cuda")
-    truth.load_state_dict({k: v.float() for k, v in full.state_dict().items()})
-    emulated = EmulatedWorld(world, "cuda")
-    layers = []
-    for r in range(world):
-        layer = ExpertLayer(**shape, backend="kosmos", fabric=emulated.rank(r), max_tokens_per_rank=max_tokens,
-                            dtype=torch.bfloat16, device="cuda", fused_options=dict(wait_bound=TEST_WAIT_BOUND))
-        layer.load_full_state_dict(full.state_dict())
-        layers.append(layer)
-    for layer in layers:
-        layer.fused().prepare(torch.bfloat16)  # the workspace allocations sync; do them before the runs
-    return full, truth, emulated, layers
+def make_world(case, world, skew="none", max_tokens=768, workers=None):
+    full, emulated, layers = emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND)
+    return full, fp32_truth(full, case), emulated, layers
 
 
 def batch(case, counts, seed, skew="none"):
@@ -102,8 +50,7 @@ def batch(case, counts, seed, skew="none"):
     g = torch.Generator(device="cuda").manual_seed(seed)
     xs = [torch.randn(n, hidden, generator=g, device="cuda").to(torch.bfloat16) for n in counts]
     if skew != "none":
-        for x in xs:
-            x[:, 0] = x[:, 0].abs() + 1.0
+        xs = [skew_tokens(x) for x in xs]
     g = torch.Generator(device="cuda").manual_seed(1000 + seed)
     gs = [torch.randn(n, hidden, generator=g, device="cuda").to(torch.bfloat16) for n in counts]
     return xs, gs
@@ -167,29 +114,6 @@ def reference(layer, batches, dtype):
     return outs, x_grads, grads
 
 
-def assert_within(fused, ref, truth, what, per_expert=False):
-    """max and mean |fused - truth| within twice the reference's (per expert if asked)."""
-    assert fused is not None, f"{what}: no gradient"
-    assert fused.shape == truth.shape, f"{what}: shape {tuple(fused.shape)}, expected {tuple(truth.shape)}"
-    if truth.numel() == 0:
-        return
-    d_fused = (fused.float() - truth).abs()
-    d_ref = (ref.float() - truth).abs()
-    dims = tuple(range(1, truth.dim())) if per_expert else tuple(range(truth.dim()))
-    err_fused, err_ref, scale = d_fused.amax(dims), d_ref.amax(dims), truth.abs().amax(dims)
-    bad = err_fused > torch.maximum(2 * err_ref, FLOOR * scale)
-    assert not bad.any(), (
-        f"{what}: fused error {err_fused[bad].tolist()[:8]} over twice the bf16 reference's "
-        f"{err_ref[bad].tolist()[:8]} (scale {scale[bad].tolist()[:8]})"
-        + (f" at experts {bad.nonzero().flatten().tolist()[:8]}" if per_expert else "")
-    )
-    assert torch.isfinite(fused).all(), f"{what}: non-finite values"
-    mean_fused, mean_ref = d_fused.mean().item(), d_ref.mean().item()
-    assert mean_fused <= 2 * mean_ref + MEAN_FLOOR * truth.abs().max().item(), (
-        f"{what}: mean fused error {mean_fused:.3g} over twice the bf16 reference's {mean_ref:.3g}"
-    )
-
-
 def check_against_reference(full, truth, layers, batches, outs, x_grads, what):
     ref_outs, ref_x, ref = reference(full, batches, torch.bfloat16)
     tru_outs, tru_x, tru = reference(truth, batches, torch.float32)
@@ -223,8 +147,8 @@ def check_against_reference(full, truth, layers, batches, outs, x_grads, what):
             assert_within(p.grad, ref_own[name], tru_own[name], f"{what} rank {r}: {name} (own tokens)")
 
 
-def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_tokens=768):
-    full, truth, emulated, layers = make_world(case, world, skew, max_tokens)
+def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_tokens=768, workers=None):
+    full, truth, emulated, layers = make_world(case, world, skew, max_tokens, workers)
     counts = counts or COUNTS[:world]
     what = f"{case} world {world} skew {skew} {pattern}"
     if pattern == "fused":
@@ -252,6 +176,12 @@ def test_backward_matches_reference(case, world):
 @pytest.mark.parametrize("case", ["softmax_shared", "sigmoid_group"])
 def test_other_router_shared_combinations(case):
     check(case, 2)
+
+
+@pytest.mark.parametrize("workers", [1, 7])
+def test_forced_worker_counts(workers):
+    """One worker per rank runs every task kind in turn; seven leave most SMs free."""
+    check("sigmoid_group_shared", 2, workers=workers)
 
 
 @pytest.mark.parametrize("skew", ["one_expert", "one_rank"])

@@ -11,93 +11,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fused_cases import CASES, build, tokens
 from kosmos_moe import ExpertLayer
 from kosmos_moe.workspace import INTERPRETER_TILES, BackwardTiles
-from multiprocess import run_world
-
-INTERPRET = {"TRITON_INTERPRET": "1"}
-
-# Non-power-of-two hidden and intermediate sizes throughout; token counts that are no
-# multiple of any tile (16 in the interpreter's tiles) and a rank with no tokens.
-CASES = {
-    "softmax": dict(
-        shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
-        # The default tiles: routed gate/up tiles as one dot of both blocks, weights by TMA
-        # through a [2E, I, H] descriptor (I = 20 leaves a half-empty second column block).
-        counts=[37, 5, 0, 19], workers=1,
-    ),
-    "softmax_shared": dict(
-        shape=dict(hidden_size=40, moe_intermediate_size=12, num_experts=8, top_k=2, num_shared_experts=2),
-        counts=[18, 33, 7, 1], workers=3,
-        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=False),  # gate and up blocks as two dots
-    ),
-    "sigmoid_group_shared": dict(
-        shape=dict(hidden_size=28, moe_intermediate_size=12, num_experts=16, top_k=4, router="sigmoid_group",
-                   n_group=4, topk_group=2, routed_scaling_factor=2.5, num_shared_experts=1),
-        counts=[21, 0, 40, 3], workers=1,
-    ),
-    "sigmoid_group": dict(
-        shape=dict(hidden_size=20, moe_intermediate_size=36, num_experts=8, top_k=3, router="sigmoid_group",
-                   n_group=2, topk_group=1, routed_scaling_factor=1.5),
-        counts=[16, 9, 30, 2], workers=2,
-        # The pointer-load weight tiles (GPUs before Hopper, rows of no multiple of 16 bytes),
-        # two dots per gate/up step; softmax_rows32 has them with one dot. The other cases read
-        # weights by TMA, as on the H200.
-        tiles=replace(INTERPRETER_TILES, tma=False, gate_up_one_dot=False),
-    ),
-    # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles;
-    # one-dot gate/up tiles by pointer loads.
-    "softmax_rows32": dict(
-        shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
-        counts=[75, 9, 0, 30], workers=2,
-        tiles=replace(INTERPRETER_TILES, rows=32, tma=False),
-    ),
-}
-SKEWS = ("none", "one_expert", "one_rank")
-
-
-def build(rank, world, case, skew, max_tokens, **fused_options):
-    spec = CASES[case]
-    shape = spec["shape"]
-    torch.manual_seed(0)
-    full = ExpertLayer(**shape)
-    if full.gate.e_score_correction_bias is not None:
-        full.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
-    with torch.no_grad():
-        if skew == "one_expert":      # every token's first choice is the last expert
-            full.gate.weight[-1] = 0.0
-            full.gate.weight[-1, 0] = 10.0
-        elif skew == "one_rank":      # every choice lands on the last rank's experts
-            local = shape["num_experts"] // world
-            full.gate.weight[-local:, 0] += 10.0
-    fabric = None
-    group = dist.group.WORLD if world > 1 else None
-    fused = ExpertLayer(**shape, backend="kosmos", group=group, max_tokens_per_rank=max_tokens,
-                        workers_per_rank=spec["workers"], fused_options=dict(tiles=spec.get("tiles"), **fused_options))
-    fused.load_full_state_dict(full.state_dict())
-    return full, fused
-
-
-def tokens(rank, counts, hidden, seed, positive):
-    out = []
-    for r, n in enumerate(counts):
-        g = torch.Generator().manual_seed(seed * 100 + r)
-        x = torch.randn(n, hidden, generator=g)
-        if positive:
-            x[:, 0] = x[:, 0].abs() + 1.0
-        out.append(x)
-    return out
+from multiprocess import INTERPRET, run_world
 
 
 def check_case(rank, world, case, skew):
     spec = CASES[case]
     counts = spec["counts"][:world]
-    full, fused = build(rank, world, case, skew, max_tokens=max(counts) + 3)
+    full, fused = build(world, case, skew, max_tokens=max(counts) + 3)
     hidden = spec["shape"]["hidden_size"]
     # Two calls with different batches: the second runs on the next epoch and parity, and
     # on the counters the first call's last worker reset.
     for call in range(2):
-        per_rank = tokens(rank, counts if call == 0 else counts[::-1], hidden, seed=call + 1,
+        per_rank = tokens(counts if call == 0 else counts[::-1], hidden, seed=call + 1,
                           positive=skew != "none")
         with torch.no_grad():
             out = fused(per_rank[rank])
@@ -130,8 +58,11 @@ def test_fused_matches_reference(world):
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_fused_skewed_routing(world):
-    items = [("softmax", "one_expert"), ("sigmoid_group_shared", "one_rank"), ("softmax_shared", "one_rank"),
-             ("softmax_rows32", "one_expert")]
+    """Every token's first choice one expert (both routers); at world 2, every choice on the
+    last rank's experts (at world 1 all experts are the last rank's: nothing to skew)."""
+    items = [("softmax", "one_expert"), ("sigmoid_group", "one_expert"), ("softmax_rows32", "one_expert")]
+    if world > 1:
+        items += [("sigmoid_group_shared", "one_rank"), ("softmax_shared", "one_rank")]
     run_world(world, check_cases, items, env=INTERPRET)
 
 
@@ -188,17 +119,45 @@ def test_timeout_names_rank_and_signal():
 
 
 def check_bad_calls(rank, world):
+    torch.manual_seed(0)
+    full = ExpertLayer(16, 16, 4, 2)
     layer = ExpertLayer(16, 16, 4, 2, backend="kosmos", max_tokens_per_rank=8)
+    layer.load_full_state_dict(full.state_dict())
     with pytest.raises(ValueError, match="9 tokens on rank 0, but the layer was built for max_tokens_per_rank=8"):
         with torch.no_grad():
             layer(torch.randn(9, 16))
+    # The refused call left nothing behind: the next calls, empty and with leading dimensions
+    # (flattened into 6 tokens), compute what the reference does.
     with torch.no_grad():
-        assert layer(torch.randn(0, 16)).shape == (0, 16)
-        assert layer(torch.randn(2, 3, 16)).shape == (2, 3, 16)
+        for x in (torch.randn(0, 16), torch.randn(2, 3, 16), torch.randn(8, 16)):
+            out = layer(x)
+            assert out.shape == x.shape
+            torch.testing.assert_close(out, full(x), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_calls_are_refused():
     run_world(1, check_bad_calls, env=INTERPRET)
+
+
+def check_one_rank_over_bound(rank, world):
+    from kosmos_moe.fused import ExpertLayerTimeout
+
+    layer = ExpertLayer(16, 16, 4, 2, backend="kosmos", group=dist.group.WORLD, max_tokens_per_rank=8)
+    layer.fused().wait_bound = 30
+    with torch.no_grad():
+        if rank == 0:
+            with pytest.raises(ValueError, match="9 tokens on rank 0, but the layer was built for max_tokens_per_rank=8"):
+                layer(torch.randn(9, 16))
+        else:
+            with pytest.raises(ExpertLayerTimeout, match="rank 1 of 2 .*count-exchange signal of rank 0"):
+                layer(torch.randn(5, 16))
+
+
+def test_one_rank_over_bound_fails_every_rank():
+    """A first call refused on one rank (more tokens than the bound): that rank still joins the
+    workspace's collective, so its peer is not blocked there but times out waiting for its
+    launch and names it."""
+    run_world(2, check_one_rank_over_bound, env=INTERPRET)
 
 
 def test_kosmos_needs_max_tokens():

@@ -28,7 +28,7 @@ from kosmos_moe.integrations.transformers import (  # noqa: E402
     moe_block_state_dict,
     swap_moe_blocks,
 )
-from multiprocess import run_world  # noqa: E402
+from multiprocess import INTERPRET, run_world  # noqa: E402
 
 VOCAB = 128
 KINDS = ("qwen3_moe", "deepseek_v3")
@@ -334,7 +334,7 @@ def _kosmos_cpu_body(rank, world):
 
 
 def test_kosmos_backend_cpu_interpreter():
-    run_world(1, _kosmos_cpu_body, env={"TRITON_INTERPRET": "1"})  # about 10 s on two cores
+    run_world(1, _kosmos_cpu_body, env=INTERPRET)  # about 10 s on two cores
 
 
 def _expert_parallel_body(rank, world):

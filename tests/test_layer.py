@@ -74,12 +74,24 @@ def test_parameter_layout_is_hugging_face_v5():
 
 
 def test_gate_rows_come_first_in_gate_up_proj():
-    layer = build("softmax")
+    # One expert per token, written out by hand: down (silu(gate x) * up x), gate the first I
+    # rows of gate_up_proj. The halves' other order gives another function, so a layer that
+    # read them swapped fails here (zeroing one half would not tell them apart: silu(0) = 0).
+    torch.manual_seed(0)
+    layer = ExpertLayer(48, 40, 6, 1, norm_topk_prob=True, dtype=torch.float64)
     inter = layer.config.moe_intermediate_size
-    x = torch.randn(7, 48, dtype=torch.float64)
-    with torch.no_grad():
-        layer.experts.gate_up_proj[:, inter:] = 0  # up rows zero => every expert outputs zero
-    torch.testing.assert_close(layer(x), torch.zeros_like(x))
+    x = torch.randn(11, 48, dtype=torch.float64)
+    out = layer(x)
+    experts = layer.gate(x).experts[:, 0]
+    w = layer.experts.gate_up_proj.detach()[experts]  # [tokens, 2I, H]
+    down = layer.experts.down_proj.detach()[experts]  # [tokens, H, I]
+    gate, up = torch.einsum("tih,th->ti", w[:, :inter], x), torch.einsum("tih,th->ti", w[:, inter:], x)
+
+    def expert(a, b):
+        return torch.einsum("thi,ti->th", down, torch.nn.functional.silu(a) * b)
+
+    torch.testing.assert_close(out.detach(), expert(gate, up))
+    assert not torch.allclose(expert(up, gate), expert(gate, up), rtol=1e-3, atol=1e-3)
 
 
 def test_empty_batch_forward_and_backward():
@@ -116,7 +128,7 @@ def test_load_statistics_and_bias_update_through_layer():
     layer(x[:10])
     assert int(layer.tokens_per_expert.sum()) == 10 * 3
     load = layer.update_router_bias()
-    torch.testing.assert_close(load, layer.load_since_bias_update + load)  # accumulator was reset
+    assert not layer.load_since_bias_update.any()  # the accumulator was reset
     assert int(load.sum()) == 40 * 3
     expected = 1e-3 * torch.sign(load.double().mean() - load.double())
     torch.testing.assert_close(layer.gate.e_score_correction_bias.double(), expected)
@@ -127,11 +139,22 @@ def test_bias_update_refused_for_softmax():
         build("softmax").update_router_bias()
 
 
-def test_switch_aux_loss_is_differentiable_in_router_weight():
+def test_switch_aux_loss_value_and_router_gradient():
+    # E sum_e f_e P_e written out: f_e the share of (token, choice) pairs on expert e (no
+    # gradient), P_e the mean softmax probability of expert e.
     layer = build("softmax", compute_aux_loss=True)
-    layer(torch.randn(20, 48, dtype=torch.float64))
+    x = torch.randn(20, 48, dtype=torch.float64)
+    layer(x)
     layer.aux_loss.backward()
-    assert layer.gate.weight.grad.abs().sum() > 0
+    weight = layer.gate.weight.detach().clone().requires_grad_(True)
+    probs = torch.softmax(x.float() @ weight.float().t(), dim=-1)  # the router's fp32 scores
+    chosen = probs.detach().topk(layer.config.top_k, dim=-1).indices
+    share = torch.bincount(chosen.flatten(), minlength=6).double() / chosen.numel()
+    expected = 6 * (share * probs.double().mean(0)).sum()
+    expected.backward()
+    torch.testing.assert_close(layer.aux_loss.detach().double(), expected.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(layer.gate.weight.grad, weight.grad, rtol=1e-5, atol=1e-7)
+    assert weight.grad.abs().max() > 1e-4  # a gradient that says something
 
 
 def test_presets_have_the_production_shapes():

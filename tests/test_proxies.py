@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import kosmos_moe
-from multiprocess import run_world
+from multiprocess import INTERPRET, run_world
 
 # `proxies` is not an installed package: import it from the repository root under a bare
 # `pytest` too (`python -m pytest` from the root has the root on sys.path already).
@@ -170,7 +170,7 @@ def check_kosmos_matches_reference(rank, world):
 
 
 def test_kosmos_backend_matches_reference():
-    run_world(1, check_kosmos_matches_reference, env={"TRITON_INTERPRET": "1"})
+    run_world(1, check_kosmos_matches_reference, env=INTERPRET)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from multiprocess import run_world
-
-INTERPRET = {"TRITON_INTERPRET": "1"}
+from multiprocess import INTERPRET, run_world
 
 
 def check_tiles(rank, world, tma):

@@ -5,7 +5,9 @@
 Every rank builds the same full layer (same seed), keeps its experts, and feeds its own
 tokens (uneven counts, one rank empty when the world has more than two ranks). Outputs and
 gradients are compared with an fp32 evaluation of the same bf16 weights on the concatenation
-of all ranks' tokens; the fused error must stay within twice the bf16 reference backend's.
+of all ranks' tokens (the replicated shared-expert weights: on each rank's own tokens; the
+expert weights per expert); the fused error must stay within twice the bf16 reference
+backend's (tests/accuracy.py).
 The last check has rank 1 skip a call: rank 0 must raise ExpertLayerTimeout naming rank 1.
 With one process, the symmetric-memory fabric is used explicitly (a world of 1).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -22,13 +25,11 @@ from kosmos_moe import ExpertLayer
 from kosmos_moe.fabric import SymmetricMemoryFabric
 from kosmos_moe.fused import ExpertLayerTimeout
 
-SHAPES = {
-    "sigmoid_group_shared": dict(hidden_size=1032, moe_intermediate_size=200, num_experts=48, top_k=8,
-                                 router="sigmoid_group", n_group=8, topk_group=4, routed_scaling_factor=2.5,
-                                 num_shared_experts=1),
-    "softmax": dict(hidden_size=1544, moe_intermediate_size=392, num_experts=48, top_k=8),
-}
-COUNTS = [517, 1, 300, 0, 129, 700, 64, 255]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the GPU cases and their accuracy rule
+from accuracy import accuracy_problem  # noqa: E402
+from fused_cases import GPU_COUNTS, GPU_SHAPES, fp32_truth, gpu_full_layer, skew_tokens  # noqa: E402
+
+CASES = ("sigmoid_group_shared", "softmax")
 
 
 def log(msg: str) -> None:
@@ -36,32 +37,37 @@ def log(msg: str) -> None:
         print(msg, flush=True)
 
 
-def build(case: str, skew: str, world: int, rank: int):
-    torch.manual_seed(0)
-    shape = SHAPES[case]
-    full = ExpertLayer(**shape, dtype=torch.bfloat16, device="cuda")
-    if full.gate.e_score_correction_bias is not None:
-        full.gate.e_score_correction_bias.uniform_(-0.05, 0.05)
-    if skew == "one_rank":
-        with torch.no_grad():
-            full.gate.weight[-shape["num_experts"] // world:, 0] += 10.0
+def build(case: str, skew: str, world: int):
+    full = gpu_full_layer(case, world, skew)
     kw = dict(fabric=SymmetricMemoryFabric(dist.group.WORLD)) if world == 1 else dict(group=dist.group.WORLD)
-    fused = ExpertLayer(**shape, backend="kosmos", max_tokens_per_rank=768, dtype=torch.bfloat16, device="cuda", **kw)
+    fused = ExpertLayer(**GPU_SHAPES[case], backend="kosmos", max_tokens_per_rank=768, dtype=torch.bfloat16,
+                        device="cuda", **kw)
     fused.load_full_state_dict(full.state_dict())
     return full, fused
 
 
+def reference(layer: ExpertLayer, xs: list, gs: list, dtype: torch.dtype) -> tuple:
+    """Output, x grad and parameter grads of ``layer`` on every rank's tokens in ``xs``."""
+    layer.zero_grad(set_to_none=True)
+    x = torch.cat(xs).to(dtype).requires_grad_()
+    out = layer(x)
+    torch.autograd.backward(out, torch.cat(gs).to(dtype))
+    grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p)).float()
+             for name, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    return out.detach().float(), x.grad.float(), grads
+
+
 def check(case: str, skew: str) -> None:
     world, rank = dist.get_world_size(), dist.get_rank()
-    full, fused = build(case, skew, world, rank)
-    hidden = SHAPES[case]["hidden_size"]
-    counts = [COUNTS[r % len(COUNTS)] for r in range(world)]
+    full, fused = build(case, skew, world)
+    hidden = GPU_SHAPES[case]["hidden_size"]
+    counts = [GPU_COUNTS[r % len(GPU_COUNTS)] for r in range(world)]
     g = torch.Generator(device="cuda").manual_seed(1)
     xs = [torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16) for n in counts]
     gs = [torch.randn(n, hidden, device="cuda", generator=g).to(torch.bfloat16) for n in counts]
     if skew != "none":
-        for x in xs:
-            x[:, 0] = x[:, 0].abs() + 1.0
+        xs = [skew_tokens(x) for x in xs]
     start = sum(counts[:rank])
     mine = slice(start, start + counts[rank])
 
@@ -70,41 +76,35 @@ def check(case: str, skew: str) -> None:
     torch.autograd.backward(out, gs[rank])
     fused.fused().raise_if_failed()
 
-    truth = ExpertLayer(**SHAPES[case], dtype=torch.float32, device="cuda")
-    truth.load_state_dict({k: v.float() for k, v in full.state_dict().items()})
-    x_all = torch.cat(xs)
-    xt = x_all.float().requires_grad_()
-    torch.autograd.backward(truth(xt), torch.cat(gs).float())
-    xr = x_all.clone().requires_grad_()
-    ref = full(xr)
-    torch.autograd.backward(ref, torch.cat(gs))
+    truth = fp32_truth(full, case)
+    ref_out, ref_x, ref = reference(full, xs, gs, torch.bfloat16)
+    tru_out, tru_x, tru = reference(truth, xs, gs, torch.float32)
+    # The replicated weights' .grad on a rank covers its own tokens only.
+    _, _, ref_own = reference(full, [xs[rank]], [gs[rank]], torch.bfloat16)
+    _, _, tru_own = reference(truth, [xs[rank]], [gs[rank]], torch.float32)
 
     first, last = fused.local_expert_range
+    params = dict(fused.named_parameters())
     router_sum = fused.gate.weight.grad.float().clone()
-    dist.all_reduce(router_sum)  # each rank's router gradient covers its own tokens
-    pairs = {
-        "out": (out, ref[mine], truth(x_all.float())[mine].detach()),
-        "grad_x": (x.grad, xr.grad[mine], xt.grad[mine]),
-        "grad_gate_up": (fused.experts.gate_up_proj.grad, full.experts.gate_up_proj.grad[first:last],
-                         truth.experts.gate_up_proj.grad[first:last]),
-        "grad_down": (fused.experts.down_proj.grad, full.experts.down_proj.grad[first:last],
-                      truth.experts.down_proj.grad[first:last]),
-        "grad_router": (router_sum, full.gate.weight.grad, truth.gate.weight.grad),
-    }
-    for name, (got, ref_v, true_v) in pairs.items():
-        if true_v.numel() == 0:
-            continue
-        err_fused = (got.float() - true_v.float()).abs().max().item()
-        err_ref = (ref_v.float() - true_v.float()).abs().max().item()
-        scale = true_v.abs().max().item()
-        ok = err_fused <= max(2 * err_ref, 2e-3 * scale)
-        status = torch.tensor([0 if ok else 1], device="cuda")
-        dist.all_reduce(status)
-        if not ok:
-            print(f"FAIL rank {rank} {case}/{skew} {name}: fused {err_fused:.3g}, reference {err_ref:.3g}, "
-                  f"scale {scale:.3g}", flush=True)
-        if status.item():
-            raise SystemExit(1)
+    dist.all_reduce(router_sum)
+    checks = [
+        ("out", out, ref_out[mine], tru_out[mine], False),
+        ("grad_x", x.grad, ref_x[mine], tru_x[mine], False),
+        ("grad_router summed over the ranks", router_sum, ref["gate.weight"], tru["gate.weight"], False),
+    ]
+    for name in ("experts.gate_up_proj", "experts.down_proj"):  # per expert: a starved one on its own scale
+        checks.append((name, params[name].grad, ref[name][first:last], tru[name][first:last], True))
+    for name in params:
+        if name.startswith("shared_experts."):
+            checks.append((f"{name} (own tokens)", params[name].grad, ref_own[name], tru_own[name], False))
+    problems = [p for what, got, r, t, per_expert in checks
+                if (p := accuracy_problem(got, r, t, f"rank {rank} {case}/{skew} {what}", per_expert)) is not None]
+    for problem in problems:
+        print(f"FAIL {problem}", flush=True)
+    status = torch.tensor([len(problems)], device="cuda")
+    dist.all_reduce(status)
+    if status.item():
+        raise SystemExit(1)
     log(f"ok {case}/{skew} world {world}")
 
 
@@ -132,7 +132,7 @@ def main() -> None:
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")
     try:
-        for case in SHAPES:
+        for case in CASES:
             check(case, "none")
         check("sigmoid_group_shared", "one_rank")
         check_timeout()
