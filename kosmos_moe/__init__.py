@@ -10,6 +10,7 @@ if (_root / "kernels" / "__init__.py").is_file() and not (_root / "kosmos_moe" /
     __path__.append(str(_root))  # noqa: F821 (the package's own search path)
 
 from .config import DEEPSEEK_V3, QWEN3_235B, MoEConfig
+from .fused import ExpertLayerTimeout
 from .layer import BACKENDS, ExpertLayer
 from .router import Router, Routing, route_sigmoid_group, route_softmax
 
@@ -17,6 +18,7 @@ __all__ = [
     "BACKENDS",
     "DEEPSEEK_V3",
     "ExpertLayer",
+    "ExpertLayerTimeout",
     "MoEConfig",
     "QWEN3_235B",
     "Router",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -25,12 +26,19 @@ class MoEConfig:
     num_shared_experts: int = 0
 
     def __post_init__(self) -> None:
+        # bool is an int to Python, but hidden_size=True is a mistake, not a width of one.
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.num_shared_experts < 0:
-            raise ValueError(f"num_shared_experts must be >= 0, got {self.num_shared_experts}")
+        shared = self.num_shared_experts
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ValueError(f"num_shared_experts must be an int >= 0, got {shared!r}")
+        scale = self.routed_scaling_factor
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"routed_scaling_factor must be a positive finite number, got {scale!r}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ValueError(f"norm_topk_prob must be True or False, got {self.norm_topk_prob!r}")
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
         if self.top_k > self.num_experts:

@@ -238,6 +238,15 @@ class EmulatedFabric(Fabric):
         return self.world._workspace(self.rank, nbytes)
 
 
+def _check_same_size(nbytes: int, group: dist.ProcessGroup) -> None:
+    """Raise on every rank if the ranks ask for workspaces of different sizes (a collective)."""
+    sizes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sizes, nbytes, group=group)
+    if len(set(sizes)) != 1:
+        raise ValueError(f"ranks asked for workspaces of different sizes {sizes}: every rank must build the same "
+                         "layer with the same max_tokens_per_rank")
+
+
 class SharedFileFabric(Fabric):
     """CPU ranks in separate processes; workspaces are ``/dev/shm`` files every rank maps."""
 
@@ -258,16 +267,16 @@ class SharedFileFabric(Fabric):
     def workspace(self, nbytes: int) -> Workspace:
         n = self._requests
         self._requests += 1
+        _check_same_size(nbytes, self.group)  # before any file exists: a refusal leaves none behind
         path = lambda r: f"{self.prefix}-{n}-{r}"  # noqa: E731
         with open(path(self.rank), "wb") as f:
             f.truncate(nbytes)
-        sizes = [None] * self.world_size
-        dist.all_gather_object(sizes, nbytes, group=self.group)
-        if len(set(sizes)) != 1:
-            raise ValueError(f"ranks asked for workspaces of different sizes {sizes}: build the same layer everywhere")
-        maps = [torch.from_file(path(r), shared=True, size=nbytes, dtype=torch.uint8) for r in range(self.world_size)]
-        dist.barrier(group=self.group)
-        os.unlink(path(self.rank))  # the mappings stay valid; nothing is left behind in /dev/shm
+        try:
+            dist.barrier(group=self.group)  # every rank's file exists
+            maps = [torch.from_file(path(r), shared=True, size=nbytes, dtype=torch.uint8) for r in range(self.world_size)]
+            dist.barrier(group=self.group)  # every rank mapped every file
+        finally:
+            os.unlink(path(self.rank))  # the mappings stay valid; nothing is left behind in /dev/shm
         peers = torch.tensor(_aligned([m.data_ptr() for m in maps], self.device), dtype=torch.int64)
         return Workspace(maps[self.rank], peers, keepalive=tuple(maps))
 
@@ -289,6 +298,7 @@ class SymmetricMemoryFabric(Fabric):
     def workspace(self, nbytes: int) -> Workspace:
         import torch.distributed._symmetric_memory as symm_mem
 
+        _check_same_size(nbytes, self.group)
         buffer = symm_mem.empty(nbytes, dtype=torch.uint8, device=self.device)
         buffer.zero_()
         handle = symm_mem.rendezvous(buffer, self.group.group_name)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import logging
 import math
 import os
@@ -28,9 +29,11 @@ from .workspace import (
 # 1.6 s (a rank timed out while its peer launched 1.57 s after it), so 1 << 27 is under a
 # minute: long enough for ranks whose first calls compile at different speeds (16-27 s per
 # shape), short enough that a peer that never comes is reported, not waited for. An
-# interpreter poll (one pass of the worker loop in numpy) takes about a millisecond.
+# interpreter poll (one idle pass of the worker loop in numpy) took 4.0 ms on a two-core CPU
+# host (a world of 2, 4 experts, nothing else running; about twice that beside other work),
+# so 15,000 polls is about a minute there. ``fused_options={"wait_bound": n}`` sets another.
 GPU_WAIT_BOUND = 1 << 27
-INTERPRETER_WAIT_BOUND = 50_000
+INTERPRETER_WAIT_BOUND = 15_000
 
 # ``logging.getLogger("kosmos_moe.fused").setLevel(logging.DEBUG)`` logs every launch with its
 # host time, rank and stream: in an emulated world, a rank whose launch comes seconds after
@@ -287,12 +290,16 @@ class _PersistentLaunch:
             )
         self.tiles = tiles
         limit = fabric.max_workers()
-        if workers is not None and not 1 <= workers <= max(limit, 1 if on_gpu else workers):
+        if workers is not None and on_gpu and not 1 <= workers <= limit:
             raise ValueError(
                 f"workers_per_rank={workers} must be in [1, {limit}]: more workers than can be resident "
                 "would strand waiting workers"
             )
+        if workers is not None and workers < 1:  # the interpreter runs any number, one after another
+            raise ValueError(f"workers_per_rank must be at least 1, got {workers}")
         self.workers = workers or limit
+        if wait_bound is not None and wait_bound < 1:
+            raise ValueError(f"wait_bound must be a positive number of polls, got {wait_bound}")
         self.wait_bound = wait_bound or (GPU_WAIT_BOUND if on_gpu else INTERPRETER_WAIT_BOUND)
         self.layout: WorkspaceLayout | None = None
         self.workspace = None
@@ -448,6 +455,16 @@ class _PersistentLaunch:
             + (_EMULATED_HINT if isinstance(self.fabric, EmulatedFabric) and self.fabric.world_size > 1 else "")
         )
         raise self.failed
+
+
+def check_fused_options(options: dict) -> None:
+    """Refuse ``ExpertLayer(fused_options=...)`` keys that :class:`FusedForward` does not take, at
+    the layer's construction rather than at its first call."""
+    fixed = {"self", "config", "fabric", "max_tokens", "workers"}  # the layer passes these itself
+    known = sorted(set(inspect.signature(FusedForward.__init__).parameters) - fixed)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise ValueError(f"unknown fused_options {unknown}; the kosmos launcher takes {known}")
 
 
 class FusedForward(_PersistentLaunch):

@@ -45,7 +45,11 @@ class ExpertLayer(nn.Module):
     rank's batch (default 1.25; with one rank every row; 0 keeps none and the backward redoes
     the projections, for the least activation memory), and ``save_shared`` (default True),
     whether it keeps the shared experts' projections too (``2 I_s`` values per token) or
-    their backward recomputes their forward.
+    their backward recomputes their forward, and ``wait_bound``, the polls after which a
+    kernel waiting for a peer gives up and the layer raises
+    :class:`~kosmos_moe.ExpertLayerTimeout` naming the rank and what it waited for (default
+    2**27 on a GPU, under a minute on an H200; 15,000 under Triton's interpreter, about a
+    minute on a two-core CPU).
 
     After each call, ``tokens_per_expert`` holds the number of this rank's (token, k)
     assignments per global expert and, when ``compute_aux_loss`` is set, ``aux_loss`` holds the
@@ -105,6 +109,15 @@ class ExpertLayer(nn.Module):
 
             if importlib.util.find_spec("deep_ep") is None:
                 raise ImportError(INSTALL_HINT)
+        if backend != "kosmos" and (fused_options or workers_per_rank is not None):
+            raise ValueError("fused_options and workers_per_rank are only used by backend='kosmos'")
+        if workers_per_rank is not None and (
+                isinstance(workers_per_rank, bool) or not isinstance(workers_per_rank, int) or workers_per_rank < 1):
+            raise ValueError(f"workers_per_rank must be a positive int, got {workers_per_rank!r}")
+        if fused_options:
+            from .fused import check_fused_options
+
+            check_fused_options(fused_options)
         if deepep_buffer is not None and backend != "deepep":
             raise ValueError("deepep_buffer is only used by backend='deepep'")
         if fabric is not None and backend != "kosmos":

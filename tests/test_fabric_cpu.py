@@ -34,3 +34,28 @@ def test_set_environment_fills_in_what_the_caller_left_unset(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="before CUDA starts"):
         EmulatedWorld.set_environment()
+
+
+def check_shared_files(rank, world, directory):
+    import torch.distributed as dist
+
+    from kosmos_moe.fabric import SharedFileFabric
+
+    fabric = SharedFileFabric(dist.group.WORLD, directory=directory)
+    workspace = fabric.workspace(64)
+    workspace.local[0] = rank + 1
+    fabric.barrier()
+    # Every rank's buffer, as this rank maps it, holds what its owner wrote.
+    assert [int(m[0]) for m in workspace.keepalive] == [r + 1 for r in range(world)]
+    with pytest.raises(ValueError, match="workspaces of different sizes \\[64, 128\\]"):
+        fabric.workspace(64 * (rank + 1))
+    fabric.barrier()
+    assert os.listdir(directory) == [], "a workspace left files behind"
+
+
+def test_shared_file_workspaces_leave_nothing_behind(tmp_path):
+    """Files are unlinked once every rank mapped them, and ranks asking for different sizes
+    are refused on every rank before any file is made."""
+    from multiprocess import run_world
+
+    run_world(2, check_shared_files, str(tmp_path))

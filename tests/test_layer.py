@@ -215,6 +215,14 @@ def test_too_few_experts_survive_group_selection():
         (dict(router="sigmoid_group", n_group=2, topk_group=3), "topk_group=3 exceeds n_group=2"),
         (dict(n_group=2), "only defined for router='sigmoid_group'"),
         (dict(max_tokens_per_rank=0), "max_tokens_per_rank"),
+        (dict(routed_scaling_factor="a"), "routed_scaling_factor must be a positive finite number"),
+        (dict(routed_scaling_factor=float("nan")), "routed_scaling_factor must be a positive finite number"),
+        (dict(norm_topk_prob="no"), "norm_topk_prob must be True or False"),
+        (dict(num_shared_experts=1.5), "num_shared_experts must be an int"),
+        (dict(workers_per_rank=4), "only used by backend='kosmos'"),
+        (dict(fused_options={"profile": True}), "only used by backend='kosmos'"),
+        (dict(backend="kosmos", max_tokens_per_rank=8, workers_per_rank=0), "workers_per_rank must be a positive int"),
+        (dict(backend="kosmos", max_tokens_per_rank=8, fused_options={"bogus": 1}), r"unknown fused_options \['bogus'\]"),
     ],
 )
 def test_bad_configuration(kwargs, match):
@@ -222,9 +230,10 @@ def test_bad_configuration(kwargs, match):
         ExpertLayer(48, 40, 6, 2, **kwargs)
 
 
-def test_zero_sizes_rejected():
+@pytest.mark.parametrize("hidden", [0, True, 4.0])
+def test_sizes_must_be_positive_ints(hidden):
     with pytest.raises(ValueError, match="hidden_size must be a positive int"):
-        ExpertLayer(0, 40, 6, 2)
+        ExpertLayer(hidden, 40, 6, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
