@@ -47,15 +47,12 @@ import sys
 import time
 from pathlib import Path
 
-if "--smoke" in sys.argv:  # the kosmos backend on the CPU runs under Triton's interpreter
-    import os
-
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# First: with --smoke it switches Triton's interpreter on (the kosmos backend on the CPU) before
+# Triton is imported, and it puts the repository root (`proxies`) on the path.
+from common import require_cuda
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `proxies` from the repository root
 
 from proxies import MoERuntime, build_model, get_config  # noqa: E402
 from proxies.data import Loader, SyntheticTokens  # noqa: E402
@@ -184,9 +181,9 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny presets, to check the script (CPU if no GPU)")
     args = p.parse_args()
+    if not args.smoke:
+        require_cuda("bench_e2e.py", "--smoke runs the tiny presets on the CPU")
     args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cpu" and not args.smoke:
-        p.error("this benchmark needs a CUDA device (--smoke runs the tiny presets on the CPU)")
     from kosmos_moe import BACKENDS
 
     for b in args.backends:

@@ -33,13 +33,32 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
+def require_cuda(what: str, hint: str | None = None) -> None:
+    """Exit with status 2 and one line on stderr unless torch sees a CUDA device.
+
+    Called after argument parsing, so that ``--help`` works anywhere; without it a script
+    either crashes deep in CUDA initialisation or, worse, runs its full-size shapes on the CPU.
+    ``hint`` says what can run on the CPU instead (``--smoke``), where the script has such a mode.
+    """
+    if torch.cuda.is_available():
+        return
+    print(f"{what}: needs a CUDA device, and torch sees none" + (f"; {hint}" if hint else ""),
+          file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 def log(*args) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, file=sys.stderr, flush=True)
 
 
 def init(smoke: bool) -> torch.device:
-    """Join torchrun's process group, or make a group of one; return this rank's device."""
+    """Join torchrun's process group, or make a group of one; return this rank's device.
+
+    Only ``smoke`` runs on the CPU: full-size shapes there would run for minutes and measure nothing.
+    """
+    if not smoke:
+        require_cuda(Path(sys.argv[0]).name, "--smoke runs tiny shapes on the CPU as a check of the script")
     use_cuda = torch.cuda.is_available() and not smoke
     backend = "nccl" if use_cuda else "gloo"
     if "RANK" in os.environ:

@@ -26,6 +26,7 @@ import sys
 import torch
 import triton
 import triton.language as tl
+from common import require_cuda
 from layer_forward import timed
 
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -331,6 +332,7 @@ def main() -> None:
                    help="weight-gradient tile variants (none: skip the weight gradients)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    require_cuda("gemm_tiles.py")
     results = [run_shape(s, {v: VARIANTS[v] for v in args.variants}) for s in args.shapes if args.variants]
     wgrad = [run_wgrad(s, {v: WGRAD_VARIANTS[v] for v in args.wgrad_variants})
              for s in args.shapes if args.wgrad_variants]

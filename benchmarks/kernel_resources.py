@@ -41,6 +41,10 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+# `kosmos_moe` from the repository root without PYTHONPATH, as the other scripts get it from common.py.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # The kernel modules must be compiled, not interpreted: import them before anything sets
 # TRITON_INTERPRET. The launchers below refuse a CPU fabric unless the interpreter is on,

@@ -25,6 +25,7 @@ import time
 import torch
 from torch import nn
 
+from common import require_cuda
 from layer_forward import CASES, TOKENS, ceilings, log, timed, work
 
 from kosmos_moe import ExpertLayer
@@ -266,7 +267,9 @@ def main() -> None:
                         help="tile variants of the fused layer to run on each case")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    EmulatedWorld.set_environment()  # before ceilings() starts CUDA
+    EmulatedWorld.set_environment()  # before CUDA starts: require_cuda's device query reads CUDA_MODULE_LOADING
+    require_cuda("layer_backward.py",
+                 "benchmarks/kernel_resources.py compiles the kernels' tile variants for sm_90 without one")
     ceil = ceilings()
     log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
     results = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "cases": []}

@@ -26,6 +26,8 @@ import time
 import torch
 from torch import nn
 
+from common import require_cuda
+
 from kosmos_moe import ExpertLayer
 from kosmos_moe.fabric import EmulatedWorld
 from kosmos_moe.workspace import GPU_TILES
@@ -234,7 +236,9 @@ def main() -> None:
                         help="run these tile variants (implies --tiles)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
-    EmulatedWorld.set_environment()  # before ceilings() starts CUDA
+    EmulatedWorld.set_environment()  # before CUDA starts: require_cuda's device query reads CUDA_MODULE_LOADING
+    require_cuda("layer_forward.py",
+                 "benchmarks/kernel_resources.py compiles the kernels' tile variants for sm_90 without one")
     ceil = ceilings()
     log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
     variants = TILE_VARIANTS if args.tiles else {"default": GPU_TILES}

@@ -50,6 +50,8 @@ import subprocess
 import sys
 import time
 
+from common import require_cuda
+
 from kosmos_moe.fabric import EmulatedWorld
 
 VARIANTS = {
@@ -199,6 +201,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    # Before any child runs: without a GPU every variant would be listed as failing, as if it stalled.
+    require_cuda("world_liveness.py")
     if args.child:
         print("RESULT " + json.dumps(child(args, VARIANTS[args.child])), flush=True)
         return
@@ -224,6 +228,10 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"world": args.world, "case": args.case, "results": results}, f, indent=1)
+    stalled = [name for name, result in results.items() if not result["finished"]]
+    if stalled:  # a script or CI step running this sees the failure, not only the table
+        print(f"{len(stalled)} of {len(results)} variants did not finish: {' '.join(stalled)}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

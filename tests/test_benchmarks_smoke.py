@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -48,6 +49,25 @@ def test_e2e_smoke(tmp_path):
     run("bench_e2e.py", "--cases", "dsv3_rank", "--backends", "reference", "--seq-len", "16", "--warmup", "0",
         "--iters", "1", "--out", str(out))
     assert json.loads(out.read_text())
+
+
+GPU_ONLY = ["bench_dispatch_combine.py", "bench_layer.py", "bench_e2e.py", "gemm_tiles.py", "layer_forward.py",
+            "layer_backward.py", "world_liveness.py"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on CPU-only machines, and a CUDA device is present")
+@pytest.mark.parametrize("script", GPU_ONLY)
+def test_gpu_only_script_refuses_without_cuda(script):
+    """Without a GPU a full run must stop at once with one line saying so (status 2), not run full-size
+    shapes on the CPU for minutes, crash in CUDA initialisation, or list every variant as failed and
+    exit 0."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("TRITON_INTERPRET", None)  # as a user would run it
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1].startswith(f"{script}: needs a CUDA device"), done.stderr
+    assert not done.stdout
 
 
 def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
