@@ -6,6 +6,7 @@ Run with ``python -m kosmos_moe.demo``.
 from __future__ import annotations
 
 import argparse
+import math
 import time
 
 import torch
@@ -13,15 +14,42 @@ import torch
 from kosmos_moe import ExpertLayer
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tokens", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--intermediate", type=int, default=128)
-    parser.add_argument("--experts", type=int, default=16)
-    parser.add_argument("--top-k", type=int, default=4)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m kosmos_moe.demo", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=512, help="tokens in the batch")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden size")
+    parser.add_argument("--intermediate", type=int, default=128, help="each expert's intermediate size")
+    parser.add_argument("--experts", type=int, default=16,
+                        help="routed experts: a multiple of --n-group, enough for --top-k in --topk-group groups")
+    parser.add_argument("--top-k", type=int, default=4, help="experts per token")
+    parser.add_argument("--n-group", type=int, default=8, help="expert groups of the DeepSeek-V3 router")
+    parser.add_argument("--topk-group", type=int, default=4, help="groups a token picks its experts from")
     parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    # --tokens 0 would average over nothing and print a nan loss.
+    for name in ("tokens", "hidden", "intermediate", "experts", "top_k", "n_group"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    if not 0 <= a.seed <= 2**64 - 1:  # torch.manual_seed's range
+        p.error(f"--seed must be in [0, {2**64 - 1}], got {a.seed}")
+    if not 1 <= a.topk_group <= a.n_group:
+        p.error(f"--topk-group must be in [1, --n-group={a.n_group}], got {a.topk_group}")
+    # The experts split evenly into groups, and the groups a token keeps must hold top_k experts.
+    least = a.n_group * math.ceil(a.top_k / a.topk_group)
+    if a.experts % a.n_group or a.experts < least:
+        p.error(f"--experts must be a multiple of --n-group={a.n_group} and >= {least} ({least}, "
+                f"{least + a.n_group}, ...) for --top-k {a.top_k} from --topk-group {a.topk_group} groups, "
+                f"got {a.experts}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
     args = parser.parse_args(argv)
+    _check_args(parser, args)
 
     torch.manual_seed(args.seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -31,6 +59,8 @@ def main(argv: list[str] | None = None) -> None:
         moe_intermediate_size=args.intermediate,
         num_experts=args.experts,
         top_k=args.top_k,
+        n_group=args.n_group,
+        topk_group=args.topk_group,
         compute_aux_loss=True,
         device=device,
         dtype=dtype,

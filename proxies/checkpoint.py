@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .optim import MasterWeights
@@ -80,8 +80,15 @@ def read_meta(directory: str | Path, rank: int) -> dict:
     path = _rank_file(Path(directory), rank)
     if not path.is_file():
         raise ValueError(f"no checkpoint for rank {rank} in {str(directory)!r} (expected {path.name})")
-    with safe_open(str(path), "pt") as fh:
-        return json.loads(fh.metadata()[_META_KEY])
+    # ValueErrors throughout, so that the training script can report a bad --resume as such.
+    try:
+        with safe_open(str(path), "pt") as fh:
+            metadata = fh.metadata() or {}
+    except SafetensorError as e:
+        raise ValueError(f"{str(path)!r} is not a readable safetensors file: {e}") from e
+    if _META_KEY not in metadata:
+        raise ValueError(f"{str(path)!r} is not a proxy checkpoint (no {_META_KEY!r} metadata)")
+    return json.loads(metadata[_META_KEY])
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -32,7 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kosmos_moe import BACKENDS
+from kosmos_moe import BACKENDS, MoEConfig
+from kosmos_moe.deepep_backend import INSTALL_HINT as DEEPEP_INSTALL_HINT
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint, step_dir
 from .common import MoERuntime
@@ -97,19 +99,114 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The valid range of every numeric option: (lowest, highest or None, whether the lowest itself
+# is allowed). Options left at None take a default later and are not checked here.
+_RANGES: dict[str, tuple[float, float | None, bool]] = {
+    "layers": (1, None, True),
+    "dense_layers": (0, None, True),  # at most the layer count: _check_model_options
+    "num_experts": (1, None, True),  # the preset's routing narrows it: _check_model_options
+    "vocab_size": (2, None, True),  # a Markov chain needs two tokens to move between
+    "steps": (1, None, True),
+    "batch": (1, None, True),
+    "seq_len": (1, None, True),
+    "lr": (0, None, False),  # lr 0 would train nothing
+    "min_lr_ratio": (0, 1, True),
+    "warmup": (0, None, True),
+    "weight_decay": (0, None, True),
+    "clip": (0, None, True),
+    "aux_loss_coef": (0, None, True),
+    "bias_update_rate": (0, None, True),
+    "seed": (0, 2**64 - 1, True),  # torch.manual_seed overflows above
+    "ep_size": (1, None, True),
+    "branching": (1, None, True),
+    "peak_tflops": (0, None, False),
+    "log_every": (1, None, True),
+    "ckpt_every": (0, None, True),
+}
+
+
+def _option(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _range_text(low: float, high: float | None, closed: bool) -> str:
+    if high is not None:
+        return f"in [{low}, {high}]"
+    return f">= {low}" if closed else f"> {low}"
+
+
+def _in_range(value: float, low: float, high: float | None, closed: bool) -> bool:
+    if isinstance(value, float) and not math.isfinite(value):  # argparse's float() takes 'nan' and 'inf'
+        return False
+    return (value >= low if closed else value > low) and (high is None or value <= high)
+
+
+def _check_ranges(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    for name, (low, high, closed) in _RANGES.items():
+        value = getattr(a, name)
+        if value is not None and not _in_range(value, low, high, closed):
+            finite = " and finite" if isinstance(value, float) and high is None else ""
+            p.error(f"{_option(name)} must be {_range_text(low, high, closed)}{finite}, got {value}")
+
+
+def _check_resume(p: argparse.ArgumentParser, resume: str | None) -> None:
+    if resume is None or resume == "auto":
+        return
+    if not os.path.exists(resume):
+        p.error(f"--resume {resume!r} does not exist (give a checkpoint step directory, or 'auto')")
+    if not os.path.isdir(resume):
+        p.error(f"--resume {resume!r} is not a directory (give a step directory such as "
+                f"<out>/checkpoints/step_000060, or 'auto')")
+
+
+def _check_deepep(p: argparse.ArgumentParser) -> None:
+    if importlib.util.find_spec("deep_ep") is None:
+        # The hint's last sentence names a Python argument (deepep_buffer) that this script has not.
+        hint = DEEPEP_INSTALL_HINT.partition(" To compare")[0].replace("backend='deepep'", "--backend deepep", 1)
+        p.error(hint)
+
+
 def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    for name in ("steps", "batch", "seq_len", "log_every", "branching"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(a, name)}")
+    _check_ranges(p, a)
     if a.stop_at is not None and not 1 <= a.stop_at <= a.steps:
         p.error(f"--stop-at must be in [1, --steps={a.steps}], got {a.stop_at}")
     if a.text_file is not None and not os.path.isfile(a.text_file):
         p.error(f"--text-file {a.text_file!r} does not exist (or is not a file)")
     if a.dense_layers is not None and not a.preset.startswith("deepseek_v3"):
         p.error(f"--dense-layers applies to the DeepSeek-V3 presets, not {a.preset!r}")
+    _check_resume(p, a.resume)
+    if a.backend == "deepep":
+        _check_deepep(p)
+
+
+def _expert_count_rule(moe: MoEConfig) -> tuple[int, int, str]:
+    """(multiple, minimum, reason) of the expert counts ``moe``'s routing allows: the experts
+    split evenly into ``n_group`` groups, and the ``topk_group`` groups a token keeps hold at
+    least ``top_k`` experts."""
+    least = moe.n_group * math.ceil(moe.top_k / moe.topk_group)
+    if moe.n_group == 1:
+        return 1, least, f"each token goes to {moe.top_k} experts"
+    reason = f"each token picks {moe.top_k} experts from its best {moe.topk_group} of {moe.n_group} groups"
+    return moe.n_group, least, reason
+
+
+def _check_model_options(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The options whose valid range depends on the preset, checked before get_config, whose
+    messages name config fields rather than options."""
+    preset = PRESETS[a.preset]
+    layers = a.layers if a.layers is not None else preset.n_layers
+    if a.dense_layers is not None and a.dense_layers > layers:
+        p.error(f"--dense-layers must be in [0, {layers}] (the number of layers), got {a.dense_layers}")
+    if a.num_experts is not None:
+        step, least, reason = _expert_count_rule(preset.moe)
+        if a.num_experts % step or a.num_experts < least:
+            rule = (f">= {least}" if step == 1 else
+                    f"a multiple of {step} and >= {least} ({least}, {least + step}, ...)")
+            p.error(f"--num-experts must be {rule} for {a.preset} ({reason}), got {a.num_experts}")
 
 
 def _model_config(p, a):
+    _check_model_options(p, a)
     overrides = {}
     if a.layers is not None:
         overrides["n_layers"] = a.layers
@@ -163,6 +260,33 @@ def _load_balance(moes, par) -> tuple[float, float] | None:
     return float(ratio.mean()), float(ratio.max())
 
 
+def _resolve_resume(resume: str | None, out: Path) -> tuple[str | None, str | None]:
+    """(the step directory to resume from or None, a note to print when 'auto' found none)."""
+    if resume != "auto":
+        return resume, None
+    found = latest_checkpoint(out)
+    if found is None:
+        return None, f"--resume auto: no complete checkpoint in {out}; starting at step 0"
+    return str(found), None
+
+
+def _checkpoint_meta(p: argparse.ArgumentParser, resume: str, rank: int) -> dict:
+    try:
+        return read_meta(resume, rank)
+    except ValueError as e:  # no file for this rank, not safetensors, or not written by this script
+        p.error(f"--resume: {e}")
+
+
+def _check_checkpoint_layout(resume: str, meta: dict, *, world: int, ep: int, config) -> None:
+    """Refuse a checkpoint of another world, EP size or model: its shards would not fit."""
+    # Through JSON, as the checkpoint stored it (tuples become lists).
+    want = {"world": world, "ep": ep, "config": json.loads(json.dumps(dataclasses.asdict(config)))}
+    for key, value in want.items():
+        if meta.get(key) != value:
+            raise ValueError(f"checkpoint {resume!r} was written with {key}={meta.get(key)!r}, "
+                             f"this run has {key}={value!r}")
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     a = parser.parse_args(argv)
@@ -180,6 +304,8 @@ def main(argv: list[str] | None = None) -> dict:
     use_cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
     if use_cuda and not torch.cuda.is_available():
         parser.error("--device cuda, but no CUDA device is available")
+    if a.backend == "deepep" and not use_cuda:
+        parser.error("--backend deepep runs DeepEP's CUDA kernels: it needs a GPU")
     if a.backend == "kosmos" and not use_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         parser.error("--backend kosmos on the CPU runs under Triton's interpreter: set TRITON_INTERPRET=1 "
                      "in the environment before starting (and keep the model tiny: it is slow)")
@@ -205,6 +331,11 @@ def main(argv: list[str] | None = None) -> dict:
             parser.error(str(e))
     else:
         source = SyntheticTokens(config.vocab_size, a.seq_len, seed=a.seed, branching=a.branching)
+    # Before building the model, so that a bad checkpoint costs no time.
+    resume, fresh_note = _resolve_resume(a.resume, out)
+    if resume is not None:
+        meta = _checkpoint_meta(parser, resume, rank)
+        _check_checkpoint_layout(resume, meta, world=world, ep=par.ep, config=config)
     tokens_per_rank = a.batch * a.seq_len
     runtime = MoERuntime(
         backend=a.backend, group=par.ep_group,
@@ -224,19 +355,7 @@ def main(argv: list[str] | None = None) -> dict:
     n_total, n_active = total_params(model), active_params(model)
 
     start, history, prior_wall = 0, [], 0.0
-    resume = a.resume
-    fresh_note = None
-    if resume == "auto":
-        found = latest_checkpoint(out)
-        resume = str(found) if found is not None else None
-        fresh_note = None if found is not None else f"--resume auto: no complete checkpoint in {out}; starting at step 0"
     if resume is not None:
-        meta = read_meta(resume, rank)
-        want = {"world": world, "ep": par.ep, "config": json.loads(json.dumps(dataclasses.asdict(config)))}
-        for key, value in want.items():
-            if meta.get(key) != value:
-                raise ValueError(f"checkpoint {resume!r} was written with {key}={meta.get(key)!r}, "
-                                 f"this run has {key}={value!r}")
         meta = load_checkpoint(resume, rank=rank, model=model, masters=masters, optimizer=optimizer)
         start, history, prior_wall = meta["step"], meta["history"], meta.get("wall_s", 0.0)
         loader.load_state_dict(meta["data"])

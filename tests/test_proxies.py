@@ -6,6 +6,7 @@ loss falling, bitwise resume, expert + data parallel training in two gloo proces
 one process with the same global batch, and the error messages.
 """
 
+import importlib.util
 import json
 import math
 import os
@@ -17,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
 import kosmos_moe
+from kosmos_moe.demo import main as demo_main
 from multiprocess import INTERPRET, run_world
 
 # `proxies` is not an installed package: import it from the repository root under a bare
@@ -273,11 +276,13 @@ def test_expert_and_data_parallel_training(tmp_path):
 # Errors
 
 
-def _error_of(capsys, argv) -> str:
+def _error_of(capsys, argv, entry=main) -> str:
     with pytest.raises(SystemExit) as info:
-        main(argv)
+        entry(argv)
     assert info.value.code == 2
-    return capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.startswith("usage: ")  # argparse's usage, then one error line
+    return err
 
 
 def test_bad_arguments(capsys, tmp_path, monkeypatch):
@@ -302,6 +307,105 @@ def test_bad_arguments(capsys, tmp_path, monkeypatch):
         MoERuntime("warp_drive")
     with pytest.raises(ValueError, match="needs max_tokens_per_rank"):
         MoERuntime("kosmos")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--seq-len", "-3"], "--seq-len must be >= 1, got -3"),
+    (["--lr", "-1"], "--lr must be > 0 and finite, got -1.0"),
+    (["--lr", "0"], "--lr must be > 0 and finite, got 0.0"),
+    (["--lr", "nan"], "--lr must be > 0 and finite, got nan"),
+    (["--lr", "inf"], "--lr must be > 0 and finite, got inf"),
+    (["--min-lr-ratio", "1.5"], "--min-lr-ratio must be in [0, 1], got 1.5"),
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be >= 0 and finite, got -0.1"),
+    (["--clip", "-1"], "--clip must be >= 0 and finite, got -1.0"),
+    (["--aux-loss-coef=-1e-3"], "--aux-loss-coef must be >= 0 and finite, got -0.001"),
+    (["--bias-update-rate", "nan"], "--bias-update-rate must be >= 0 and finite, got nan"),
+    (["--seed", "-1"], f"--seed must be in [0, {2**64 - 1}], got -1"),
+    (["--seed", str(2**64)], f"--seed must be in [0, {2**64 - 1}], got {2**64}"),
+    (["--vocab-size", "1"], "--vocab-size must be >= 2, got 1"),
+    (["--layers", "0"], "--layers must be >= 1, got 0"),
+    (["--dense-layers", "-1"], "--dense-layers must be >= 0, got -1"),
+    (["--dense-layers", "4"], "--dense-layers must be in [0, 3] (the number of layers), got 4"),
+    (["--layers", "2", "--dense-layers", "3"], "--dense-layers must be in [0, 2] (the number of layers), got 3"),
+    (["--num-experts", "0"], "--num-experts must be >= 1, got 0"),
+    (["--num-experts", "6"], "--num-experts must be a multiple of 4 and >= 4 (4, 8, ...) for deepseek_v3_tiny"),
+    (["--preset", "deepseek_v3", "--num-experts", "8"], "--num-experts must be a multiple of 8 and >= 16"),
+    (["--preset", "qwen3_tiny", "--num-experts", "1"], "--num-experts must be >= 2 for qwen3_tiny"),
+    (["--ep-size", "0"], "--ep-size must be >= 1, got 0"),
+    (["--branching", "0"], "--branching must be >= 1, got 0"),
+    (["--peak-tflops", "0"], "--peak-tflops must be > 0 and finite, got 0.0"),
+    (["--log-every", "0"], "--log-every must be >= 1, got 0"),
+    (["--ckpt-every", "-5"], "--ckpt-every must be >= 0, got -5"),
+])
+def test_numeric_options_out_of_range(capsys, argv, message):
+    assert message in _error_of(capsys, argv)
+
+
+def test_resume_path_is_checked(capsys, tmp_path):
+    missing = str(tmp_path / "nope")
+    assert f"--resume {missing!r} does not exist" in _error_of(capsys, ["--resume", missing])
+    err = _error_of(capsys, ["--resume", str(tmp_path)])
+    assert f"--resume: no checkpoint for rank 0 in {str(tmp_path)!r} (expected rank00000.safetensors)" in err
+    rank_file = tmp_path / "rank00000.safetensors"
+    rank_file.write_bytes(b"")
+    assert f"--resume {str(rank_file)!r} is not a directory" in _error_of(capsys, ["--resume", str(rank_file)])
+    err = _error_of(capsys, ["--resume", str(tmp_path)])
+    assert f"--resume: {str(rank_file)!r} is not a readable safetensors file" in err
+    save_file({"x": torch.zeros(1)}, str(rank_file))
+    err = _error_of(capsys, ["--resume", str(tmp_path)])
+    assert f"--resume: {str(rank_file)!r} is not a proxy checkpoint (no 'kosmos_proxy' metadata)" in err
+
+
+def _pretend_deep_ep(monkeypatch, installed: bool) -> None:
+    real = importlib.util.find_spec
+    fake = object() if installed else None
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake if name == "deep_ep" else real(name, *a))
+
+
+def test_deepep_backend_refusals(capsys, monkeypatch):
+    _pretend_deep_ep(monkeypatch, installed=False)
+    err = _error_of(capsys, ["--backend", "deepep"])
+    assert "--backend deepep needs DeepEP's Python package `deep_ep`" in err
+    assert "https://github.com/deepseek-ai/DeepEP" in err
+    assert "deepep_buffer" not in err  # a Python argument: no use on the command line
+    _pretend_deep_ep(monkeypatch, installed=True)
+    err = _error_of(capsys, ["--backend", "deepep", "--device", "cpu"])
+    assert "--backend deepep runs DeepEP's CUDA kernels: it needs a GPU" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# kosmos_moe.demo's arguments (its only tests; the demo itself is a script)
+
+DEMO_SMALL = ["--tokens", "16", "--hidden", "16", "--intermediate", "8"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tokens", "-1"], "--tokens must be >= 1, got -1"),
+    (["--tokens", "0"], "--tokens must be >= 1, got 0"),
+    (["--hidden", "0"], "--hidden must be >= 1, got 0"),
+    (["--intermediate", "0"], "--intermediate must be >= 1, got 0"),
+    (["--top-k", "0"], "--top-k must be >= 1, got 0"),
+    (["--n-group", "0"], "--n-group must be >= 1, got 0"),
+    (["--topk-group", "9"], "--topk-group must be in [1, --n-group=8], got 9"),
+    (["--seed", "-1"], f"--seed must be in [0, {2**64 - 1}], got -1"),
+    (["--experts", "12"], "--experts must be a multiple of --n-group=8 and >= 8 (8, 16, ...) for --top-k 4 "
+                          "from --topk-group 4 groups, got 12"),
+    (["--experts", "8", "--top-k", "8"], "--experts must be a multiple of --n-group=8 and >= 16"),
+])
+def test_demo_bad_arguments(capsys, argv, message):
+    assert message in _error_of(capsys, argv, entry=demo_main)
+
+
+def test_demo_group_options(capsys):
+    demo_main(["--experts", "12", "--n-group", "4", "--topk-group", "2", *DEMO_SMALL])
+    out = capsys.readouterr().out
+    assert "total 64 (= tokens x top_k = 64)" in out
+    with pytest.raises(SystemExit):
+        demo_main(["--help"])
+    assert capsys.readouterr().out.startswith("usage: python -m kosmos_moe.demo ")
 
 
 def test_resume_rejects_another_layout(tmp_path):
