@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 from typing import Literal
 
 RouterKind = Literal["softmax", "sigmoid_group"]
 ROUTERS: tuple[str, ...] = ("softmax", "sigmoid_group")
+
+
+def _is_bool(value) -> bool:
+    # numpy's bool (np.bool_, named "bool" since numpy 2) is no subclass of Python's.
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
 
 
 @dataclass(frozen=True)
@@ -26,19 +36,24 @@ class MoEConfig:
     num_shared_experts: int = 0
 
     def __post_init__(self) -> None:
-        # bool is an int to Python, but hidden_size=True is a mistake, not a width of one.
+        # Integers and reals of any kind (numpy's from a config file too) are stored as Python
+        # ones; bool is an int to Python, but hidden_size=True is a mistake, not a width of one.
         for name in ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "n_group", "topk_group"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not _is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+            object.__setattr__(self, name, int(value))
         shared = self.num_shared_experts
-        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        if not _is_int(shared) or shared < 0:
             raise ValueError(f"num_shared_experts must be an int >= 0, got {shared!r}")
+        object.__setattr__(self, "num_shared_experts", int(shared))
         scale = self.routed_scaling_factor
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        if _is_bool(scale) or not isinstance(scale, numbers.Real) or not math.isfinite(scale) or scale <= 0:
             raise ValueError(f"routed_scaling_factor must be a positive finite number, got {scale!r}")
-        if not isinstance(self.norm_topk_prob, bool):
+        object.__setattr__(self, "routed_scaling_factor", float(scale))
+        if not _is_bool(self.norm_topk_prob):
             raise ValueError(f"norm_topk_prob must be True or False, got {self.norm_topk_prob!r}")
+        object.__setattr__(self, "norm_topk_prob", bool(self.norm_topk_prob))
         if self.router not in ROUTERS:
             raise ValueError(f"router must be one of {ROUTERS}, got {self.router!r}")
         if self.top_k > self.num_experts:

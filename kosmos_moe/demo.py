@@ -15,7 +15,7 @@ from kosmos_moe import ExpertLayer
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kosmos_moe.demo", description=__doc__.split("\n\n")[0],
+    parser = argparse.ArgumentParser(prog="python -m kosmos_moe.demo", description=(__doc__ or "").split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--tokens", type=int, default=512, help="tokens in the batch")
     parser.add_argument("--hidden", type=int, default=256, help="hidden size")
@@ -34,7 +34,7 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     for name in ("tokens", "hidden", "intermediate", "experts", "top_k", "n_group"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if not 0 <= a.seed <= 2**64 - 1:  # torch.manual_seed's range
+    if not 0 <= a.seed <= 2**64 - 1:  # the unsigned 64-bit seeds of torch's generators
         p.error(f"--seed must be in [0, {2**64 - 1}], got {a.seed}")
     if not 1 <= a.topk_group <= a.n_group:
         p.error(f"--topk-group must be in [1, --n-group={a.n_group}], got {a.topk_group}")

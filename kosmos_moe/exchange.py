@@ -97,6 +97,7 @@ class ExpertExchange:
         problem = launch._token_problem(x)
         launch.prepare(x.dtype)  # the first call's collective, joined before refusing a call
         if problem is not None:
+            launch._mark_refused(problem)
             raise ValueError(problem)
         self._dtype = x.dtype
         t = launch.tiles

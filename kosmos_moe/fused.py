@@ -12,6 +12,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import NoReturn
 
 import torch
 from torch import nn
@@ -375,6 +376,17 @@ class _PersistentLaunch:
             return f"tokens are on {tokens.device}, the fabric of this layer on {self.fabric.device}"
         return None
 
+    def _mark_refused(self, problem: str) -> None:
+        """In a world of several ranks, a call refused on this rank is launched by its peers
+        without it: they time out, and their half-finished exchange is in this rank's workspace.
+        So this layer stays failed as theirs do (world 1 just refuses the call)."""
+        if self.fabric.world_size > 1:
+            self.failed = ExpertLayerTimeout(
+                f"rank {self.fabric.rank} of {self.fabric.world_size} refused a {self.direction} call ({problem}); "
+                "its peers launched without it and time out. The workspaces of this world are now inconsistent: "
+                "rebuild the layers."
+            )
+
     def profile_report(self) -> dict[str, dict[str, float]]:
         """Per task kind: worker-seconds spent and passes, summed over the profiled calls."""
         if self.profile is None:
@@ -410,7 +422,7 @@ class _PersistentLaunch:
         have finished. Every call does the non-blocking check first.
         """
         if self.failed is not None:
-            raise self.failed
+            self._raise_failed()
         if self.fabric.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
         if block and self.workspace is not None:
@@ -435,6 +447,12 @@ class _PersistentLaunch:
         for record in records:
             self._check(record)
 
+    def _raise_failed(self) -> NoReturn:
+        # A new exception each time: raising the stored one would attach a traceback whose
+        # frames hold this launcher, a cycle that keeps its workspaces (GiBs on a GPU) alive
+        # until a garbage collection.
+        raise ExpertLayerTimeout(*self.failed.args)
+
     def _check(self, record: list[int]) -> None:
         kind, rank, task, peer, index, expected, observed, _ = (int(v) for v in record)
         if kind == 0:
@@ -444,7 +462,7 @@ class _PersistentLaunch:
                 f"combine on rank {rank} was given {observed} expert-output rows, but {expected} rows were "
                 "dispatched to it; nothing was combined and this exchange's workspaces are no longer consistent"
             )
-            raise self.failed
+            self._raise_failed()
         what = _WHAT.get(kind, f"signal kind {kind}").format(
             peer=peer, index=index, expected=expected, observed=observed, task=task
         )
@@ -454,7 +472,7 @@ class _PersistentLaunch:
             "The workspaces of this world are now inconsistent: rebuild the layers."
             + (_EMULATED_HINT if isinstance(self.fabric, EmulatedFabric) and self.fabric.world_size > 1 else "")
         )
-        raise self.failed
+        self._raise_failed()
 
 
 def check_fused_options(options: dict) -> None:
@@ -532,21 +550,16 @@ class FusedForward(_PersistentLaunch):
         """
         self.raise_if_failed(block=False)
         problem = self._token_problem(tokens)
+        if problem is not None:
+            self.join_refused_call(layer, keep_routing, problem)
+            raise ValueError(problem)
         n, hidden = tokens.shape
         self.prepare(tokens.dtype)
         tokens = tokens.contiguous()
         out = torch.empty(max(n, 1), hidden, dtype=tokens.dtype, device=self.fabric.device)
         if self.fabric.device.type == "cuda":
             _HostRecords.reserve()
-            # A training forward also readies its backward: a layer that first ran without
-            # grad would otherwise compile and allocate at its first backward, with peers waiting.
-            with_backward = self.backward_at_prepare or keep_routing
-            if not self._warm or (with_backward and not self.backward.warm):
-                self._warm_up(tokens if n > 0 and problem is None else out, out, layer, with_backward)
-                # Ranks compile at their own pace; their first launches start together.
-                self.fabric.barrier()
-        if problem is not None:
-            raise ValueError(problem)
+            self._join_first_launch(tokens if n > 0 else out, out, layer, keep_routing)
         saved = self._saved_gate_up(n, tokens.dtype, layer.shared_experts is not None) if keep_routing else None
         self._launch(tokens if n > 0 else out, out, n, layer, warmup=False, saved=saved)
         lay, c = self.layout, self.config
@@ -557,6 +570,30 @@ class FusedForward(_PersistentLaunch):
         w0 = lay.bytes["topk_w"]
         top_w = self.workspace.local[w0: w0 + 4 * n * c.top_k].view(torch.float32).view(n, c.top_k)
         return out[:n], top_e.long(), top_e.clone(), top_w.clone(), saved
+
+    def _join_first_launch(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module, keep_routing: bool) -> None:
+        """On a GPU, the first call (and the first training call) compiles and loads this
+        rank's kernels, then waits for every rank to have done so (a barrier)."""
+        # A training forward also readies its backward: a layer that first ran without grad
+        # would otherwise compile and allocate at its first backward, with peers waiting.
+        with_backward = self.backward_at_prepare or keep_routing
+        if not self._warm or (with_backward and not self.backward.warm):
+            self._warm_up(x, out, layer, with_backward)
+            # Ranks compile at their own pace; their first launches start together.
+            self.fabric.barrier()
+
+    def join_refused_call(self, layer: nn.Module, keep_routing: bool, problem: str) -> None:
+        """Do what this rank's peers do at this call before they launch, for a call this rank
+        refuses: the first call's workspace collective and, on a GPU, its warm-up barrier. A rank
+        that raised before them would leave its peers blocked in a collective without a bound;
+        after them its peers' kernels time out waiting for its launch and raise an error naming
+        it. The layer then stays failed (:meth:`_mark_refused`)."""
+        dtype, device = layer.gate.weight.dtype, self.fabric.device
+        self.prepare(dtype)
+        if device.type == "cuda":
+            stand_in = torch.zeros(1, self.config.hidden_size, dtype=dtype, device=device)
+            self._join_first_launch(stand_in, torch.empty_like(stand_in), layer, keep_routing)
+        self._mark_refused(problem)
 
     def _saved_gate_up(self, n: int, dtype: torch.dtype, has_shared: bool) -> SavedGateUp:
         """Buffers for the gate/up projections a training call keeps (see :class:`SavedGateUp`)."""
@@ -725,6 +762,7 @@ class FusedBackward(_PersistentLaunch):
         n, hidden = tokens.shape
         self.prepare(tokens.dtype)
         if problem is not None:
+            self._mark_refused(problem)
             raise ValueError(problem)
         c = self.config
         tokens = tokens.contiguous()

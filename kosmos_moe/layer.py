@@ -223,7 +223,12 @@ class ExpertLayer(nn.Module):
         return self._fused
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        self._check_input(hidden_states)
+        try:
+            self._check_input(hidden_states)
+        except (TypeError, ValueError) as exc:
+            if self.backend == "kosmos" and self.ep_world > 1:  # peers must not be left in this call's collectives
+                self.fused().join_refused_call(self, self._trains(hidden_states), str(exc))
+            raise
         leading = hidden_states.shape[:-1]
         tokens = hidden_states.reshape(-1, self.config.hidden_size)
         if self.backend == "kosmos":
@@ -256,7 +261,7 @@ class ExpertLayer(nn.Module):
         launcher = self.fused()
         routed = (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj)
         shared = tuple(self.shared_experts.parameters()) if self.shared_experts is not None else ()
-        if torch.is_grad_enabled() and (tokens.requires_grad or any(p.requires_grad for p in routed + shared)):
+        if self._trains(tokens):
             from .fused import FusedExpertsFunction
 
             launched = launcher(tokens, self, keep_routing=True)
@@ -272,6 +277,10 @@ class ExpertLayer(nn.Module):
             self.tokens_per_expert.copy_(counts)
             self.load_since_bias_update.add_(counts)
         return out
+
+    def _trains(self, tokens: torch.Tensor) -> bool:
+        """Whether a call on ``tokens`` builds a graph for a backward (else it keeps nothing)."""
+        return torch.is_grad_enabled() and (tokens.requires_grad or any(p.requires_grad for p in self.parameters()))
 
     def _recompute_aux_loss(self, tokens: torch.Tensor) -> None:
         # The kernel keeps the router scores on chip; the auxiliary loss recomputes them.

@@ -116,7 +116,7 @@ _RANGES: dict[str, tuple[float, float | None, bool]] = {
     "clip": (0, None, True),
     "aux_loss_coef": (0, None, True),
     "bias_update_rate": (0, None, True),
-    "seed": (0, 2**64 - 1, True),  # torch.manual_seed overflows above
+    "seed": (0, 2**64 - 1, True),  # the unsigned 64-bit seeds of torch's generators
     "ep_size": (1, None, True),
     "branching": (1, None, True),
     "peak_tflops": (0, None, False),

@@ -139,25 +139,35 @@ def test_bad_calls_are_refused():
     run_world(1, check_bad_calls, env=INTERPRET)
 
 
-def check_one_rank_over_bound(rank, world):
+def check_one_rank_refuses(rank, world, bad):
     from kosmos_moe.fused import ExpertLayerTimeout
 
     layer = ExpertLayer(16, 16, 4, 2, backend="kosmos", group=dist.group.WORLD, max_tokens_per_rank=8)
     layer.fused().wait_bound = 30
     with torch.no_grad():
         if rank == 0:
-            with pytest.raises(ValueError, match="9 tokens on rank 0, but the layer was built for max_tokens_per_rank=8"):
-                layer(torch.randn(9, 16))
+            x, error, match = {
+                "tokens": (torch.randn(9, 16), ValueError,
+                           "9 tokens on rank 0, but the layer was built for max_tokens_per_rank=8"),
+                "hidden": (torch.randn(5, 12), ValueError, "last dimension hidden_size=16"),
+                "dtype": (torch.randn(5, 16, dtype=torch.float64), TypeError, "has dtype torch.float64"),
+            }[bad]
+            with pytest.raises(error, match=match):
+                layer(x)
+            # Its peer launched without it: this rank's layer is failed too, not reusable.
+            with pytest.raises(ExpertLayerTimeout, match="rank 0 of 2 refused a forward call"):
+                layer(torch.randn(5, 16))
         else:
             with pytest.raises(ExpertLayerTimeout, match="rank 1 of 2 .*count-exchange signal of rank 0"):
                 layer(torch.randn(5, 16))
 
 
-def test_one_rank_over_bound_fails_every_rank():
-    """A first call refused on one rank (more tokens than the bound): that rank still joins the
-    workspace's collective, so its peer is not blocked there but times out waiting for its
-    launch and names it."""
-    run_world(2, check_one_rank_over_bound, env=INTERPRET)
+@pytest.mark.parametrize("bad", ["tokens", "hidden", "dtype"])
+def test_one_rank_refusing_its_first_call_fails_every_rank(bad):
+    """A first call refused on one rank (more tokens than the bound, a wrong width or dtype):
+    that rank still joins the workspace's collective, so its peer is not blocked there but
+    times out waiting for its launch and names it."""
+    run_world(2, check_one_rank_refuses, bad, env=INTERPRET)
 
 
 def test_kosmos_needs_max_tokens():

@@ -272,3 +272,14 @@ def test_shared_experts_backward_from_kept_projections(dtype, wanted):
         torch.testing.assert_close(dx, dx_routed + xr.grad, **tol)
     else:
         assert dx is None
+
+
+def test_numpy_config_values_are_taken_as_python_ones():
+    # As a config file read through numpy hands them over.
+    np = pytest.importorskip("numpy")
+    layer = ExpertLayer(np.int64(48), 40, np.int32(6), 2, routed_scaling_factor=np.float32(2.5),
+                        norm_topk_prob=np.bool_(False))
+    c = layer.config
+    assert (type(c.hidden_size), type(c.num_experts), type(c.routed_scaling_factor), type(c.norm_topk_prob)) == (
+        int, int, float, bool)
+    assert (c.hidden_size, c.routed_scaling_factor, c.norm_topk_prob) == (48, 2.5, False)

@@ -26,7 +26,7 @@ from kosmos_moe.fabric import SymmetricMemoryFabric
 from kosmos_moe.fused import ExpertLayerTimeout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the GPU cases and their accuracy rule
-from accuracy import accuracy_problem  # noqa: E402
+from accuracy import FLOOR, accuracy_problem  # noqa: E402
 from fused_cases import GPU_COUNTS, GPU_SHAPES, fp32_truth, gpu_full_layer, skew_tokens  # noqa: E402
 
 CASES = ("sigmoid_group_shared", "softmax")
@@ -88,7 +88,7 @@ def check(case: str, skew: str) -> None:
     router_sum = fused.gate.weight.grad.float().clone()
     dist.all_reduce(router_sum)
     checks = [
-        ("out", out, ref_out[mine], tru_out[mine], False),
+        ("out", out, ref_out[mine], tru_out[mine], False),  # one bf16 rounding: floor 1e-3 below
         ("grad_x", x.grad, ref_x[mine], tru_x[mine], False),
         ("grad_router summed over the ranks", router_sum, ref["gate.weight"], tru["gate.weight"], False),
     ]
@@ -98,7 +98,8 @@ def check(case: str, skew: str) -> None:
         if name.startswith("shared_experts."):
             checks.append((f"{name} (own tokens)", params[name].grad, ref_own[name], tru_own[name], False))
     problems = [p for what, got, r, t, per_expert in checks
-                if (p := accuracy_problem(got, r, t, f"rank {rank} {case}/{skew} {what}", per_expert)) is not None]
+                if (p := accuracy_problem(got, r, t, f"rank {rank} {case}/{skew} {what}", per_expert,
+                                          floor=1e-3 if what == "out" else FLOOR)) is not None]
     for problem in problems:
         print(f"FAIL {problem}", flush=True)
     status = torch.tensor([len(problems)], device="cuda")
@@ -114,7 +115,11 @@ def check_timeout() -> None:
         return
     layer = ExpertLayer(64, 32, 8, 2, backend="kosmos", group=dist.group.WORLD, max_tokens_per_rank=16,
                         dtype=torch.bfloat16, device="cuda", fused_options=dict(wait_bound=1 << 20))
-    layer.fused().prepare(torch.bfloat16)
+    # One call on every rank first: the first call's warm-up ends in a barrier, which a rank
+    # that never calls would leave the others waiting in (a collective without a bound).
+    with torch.no_grad():
+        layer(torch.randn(5, 64, device="cuda", dtype=torch.bfloat16))
+    layer.fused().raise_if_failed()
     if rank != 1:
         with torch.no_grad():
             layer(torch.randn(5, 64, device="cuda", dtype=torch.bfloat16))
@@ -134,7 +139,8 @@ def main() -> None:
     try:
         for case in CASES:
             check(case, "none")
-        check("sigmoid_group_shared", "one_rank")
+        if dist.get_world_size() > 1:  # with one rank every expert is the last rank's: nothing to skew
+            check("sigmoid_group_shared", "one_rank")
         check_timeout()
         log("all passed")
     finally:
