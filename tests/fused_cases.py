@@ -74,9 +74,29 @@ CASES = {
 }
 
 
+# Edge shapes, world 1 (tests/test_fused_backward_cpu.py::test_edge_shapes): one expert; every
+# expert chosen; sizes of 1, 3, 5, 7 and around a 16-wide tile; one expert per routing group
+# with three shared experts; more workers than tiles. (A top-1 choice with normalised weights
+# has a router gradient of exactly zero, which the kernel returns and the reference misses by
+# rounding noise: the relative tolerances cannot judge it, so no case here has one.)
+EDGE_CASES = {
+    "one_expert": dict(shape=dict(hidden_size=7, moe_intermediate_size=5, num_experts=1, top_k=1),
+                       counts=[13], workers=1),
+    "every_expert": dict(shape=dict(hidden_size=17, moe_intermediate_size=15, num_experts=4, top_k=4,
+                                    norm_topk_prob=False), counts=[9], workers=9),
+    "group_per_expert": dict(
+        shape=dict(hidden_size=5, moe_intermediate_size=3, num_experts=8, top_k=3, router="sigmoid_group",
+                   n_group=8, topk_group=8, routed_scaling_factor=2.5, num_shared_experts=3),
+        counts=[1], workers=2),
+    "width_one": dict(shape=dict(hidden_size=1, moe_intermediate_size=33, num_experts=3, top_k=2,
+                                 num_shared_experts=1), counts=[16], workers=3),
+}
+ALL_CASES = {**CASES, **EDGE_CASES}
+
+
 def build(world, case, skew, max_tokens, **fused_options):
     """The full reference layer (seeded, skewed) and this rank's fused layer loaded from it."""
-    spec = CASES[case]
+    spec = ALL_CASES[case]
     shape = spec["shape"]
     torch.manual_seed(0)
     full = ExpertLayer(**shape)

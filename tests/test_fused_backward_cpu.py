@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fused_cases import CASES, build, tokens
+from fused_cases import ALL_CASES, CASES, EDGE_CASES, build, tokens
 from kosmos_moe import ExpertLayer
 from multiprocess import INTERPRET, run_world
 
@@ -130,7 +130,7 @@ def starts(counts):
 
 
 def check_case(rank, world, case, skew, counts=None, max_tokens=None, **fused_options):
-    spec = CASES[case]
+    spec = ALL_CASES[case]
     counts = counts or spec["counts"][:world]
     hidden = spec["shape"]["hidden_size"]
     full, fused = build(world, case, skew, max_tokens=max_tokens or max(counts) + 3, **fused_options)
@@ -198,6 +198,11 @@ def check_cases(rank, world, items, **fused_options):
 def test_backward_matches_reference(world):
     """Both routers, with and without shared experts; uneven token counts, a rank with none."""
     run_world(world, check_cases, [(case, "none") for case in CASES], env=INTERPRET)
+
+
+def test_edge_shapes():
+    """Forward, backward and a no-grad call at the shapes of fused_cases.EDGE_CASES, world 1."""
+    run_world(1, check_cases, [(case, "none") for case in EDGE_CASES], env=INTERPRET)
 
 
 @pytest.mark.parametrize("world", [2, 4])
