@@ -269,16 +269,34 @@ class SharedFileFabric(Fabric):
         self._requests += 1
         _check_same_size(nbytes, self.group)  # before any file exists: a refusal leaves none behind
         path = lambda r: f"{self.prefix}-{n}-{r}"  # noqa: E731
-        with open(path(self.rank), "wb") as f:
-            f.truncate(nbytes)
+        made = False
         try:
-            dist.barrier(group=self.group)  # every rank's file exists
-            maps = [torch.from_file(path(r), shared=True, size=nbytes, dtype=torch.uint8) for r in range(self.world_size)]
-            dist.barrier(group=self.group)  # every rank mapped every file
+            try:
+                with open(path(self.rank), "wb") as f:
+                    f.truncate(nbytes)
+                made = True
+            finally:
+                self._all_ok("making its workspace file", made)  # every rank's file exists
+            maps = []
+            try:
+                maps = [torch.from_file(path(r), shared=True, size=nbytes, dtype=torch.uint8)
+                        for r in range(self.world_size)]
+            finally:
+                self._all_ok("mapping its peers' workspace files", len(maps) == self.world_size)
         finally:
-            os.unlink(path(self.rank))  # the mappings stay valid; nothing is left behind in /dev/shm
+            if made:
+                os.unlink(path(self.rank))  # the mappings stay valid; nothing is left behind in /dev/shm
         peers = torch.tensor(_aligned([m.data_ptr() for m in maps], self.device), dtype=torch.int64)
         return Workspace(maps[self.rank], peers, keepalive=tuple(maps))
+
+    def _all_ok(self, step: str, ok: bool) -> None:
+        """Every rank says whether ``step`` worked (a collective, in place of a barrier); if one
+        did not, every rank raises, so that none is left waiting for it in the next collective."""
+        oks = [None] * self.world_size
+        dist.all_gather_object(oks, ok, group=self.group)
+        failed = [r for r, good in enumerate(oks) if not good]
+        if failed and ok:  # the failing rank raises its own error
+            raise RuntimeError(f"rank {self.rank}: a shared-file workspace failed at {step} on rank(s) {failed}")
 
 
 class SymmetricMemoryFabric(Fabric):

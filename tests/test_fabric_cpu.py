@@ -59,3 +59,25 @@ def test_shared_file_workspaces_leave_nothing_behind(tmp_path):
     from multiprocess import run_world
 
     run_world(2, check_shared_files, str(tmp_path))
+
+
+def check_one_rank_cannot_make_its_file(rank, world, directory):
+    import torch.distributed as dist
+
+    from kosmos_moe.fabric import SharedFileFabric
+
+    fabric = SharedFileFabric(dist.group.WORLD, directory=directory if rank == 0 else os.path.join(directory, "absent"))
+    if rank == 1:
+        with pytest.raises(FileNotFoundError):
+            fabric.workspace(64)
+    else:
+        with pytest.raises(RuntimeError, match=r"failed at making its workspace file on rank\(s\) \[1\]"):
+            fabric.workspace(64)
+    fabric.barrier()  # neither rank is left in a collective
+    assert not os.path.exists(directory) or os.listdir(directory) == [], "a refused workspace left files behind"
+
+
+def test_a_rank_that_cannot_make_its_file_fails_every_rank(tmp_path):
+    from multiprocess import run_world
+
+    run_world(2, check_one_rank_cannot_make_its_file, str(tmp_path))
