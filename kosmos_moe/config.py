@@ -20,6 +20,12 @@ def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not _is_bool(value)
 
 
+def smallest_expert_count(top_k: int, n_group: int, topk_group: int) -> int:
+    """The fewest experts group-limited routing allows (counts must also be multiples of
+    ``n_group``): the ``topk_group`` groups a token keeps must hold ``top_k`` experts."""
+    return n_group * math.ceil(top_k / topk_group)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Hyper-parameters of an expert layer, independent of parallelism and backend."""

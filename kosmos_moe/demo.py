@@ -6,12 +6,12 @@ Run with ``python -m kosmos_moe.demo``.
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import torch
 
 from kosmos_moe import ExpertLayer
+from kosmos_moe.config import smallest_expert_count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,7 +39,7 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if not 1 <= a.topk_group <= a.n_group:
         p.error(f"--topk-group must be in [1, --n-group={a.n_group}], got {a.topk_group}")
     # The experts split evenly into groups, and the groups a token keeps must hold top_k experts.
-    least = a.n_group * math.ceil(a.top_k / a.topk_group)
+    least = smallest_expert_count(a.top_k, a.n_group, a.topk_group)
     if a.experts % a.n_group or a.experts < least:
         p.error(f"--experts must be a multiple of --n-group={a.n_group} and >= {least} ({least}, "
                 f"{least + a.n_group}, ...) for --top-k {a.top_k} from --topk-group {a.topk_group} groups, "

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kosmos_moe import BACKENDS, MoEConfig
+from kosmos_moe.config import smallest_expert_count
 from kosmos_moe.deepep_backend import INSTALL_HINT as DEEPEP_INSTALL_HINT
 
 from .checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_checkpoint, step_dir
@@ -183,7 +184,7 @@ def _expert_count_rule(moe: MoEConfig) -> tuple[int, int, str]:
     """(multiple, minimum, reason) of the expert counts ``moe``'s routing allows: the experts
     split evenly into ``n_group`` groups, and the ``topk_group`` groups a token keeps hold at
     least ``top_k`` experts."""
-    least = moe.n_group * math.ceil(moe.top_k / moe.topk_group)
+    least = smallest_expert_count(moe.top_k, moe.n_group, moe.topk_group)
     if moe.n_group == 1:
         return 1, least, f"each token goes to {moe.top_k} experts"
     reason = f"each token picks {moe.top_k} experts from its best {moe.topk_group} of {moe.n_group} groups"

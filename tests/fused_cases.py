@@ -29,6 +29,17 @@ def skew_router(full: ExpertLayer, skew: str, world: int) -> None:
             raise ValueError(f"unknown skew {skew!r}")
 
 
+def assert_skew_took(layer: ExpertLayer, skew: str, world: int, n: int, what: str = "") -> None:
+    """After a call of ``n`` skewed tokens, the layer's routing counts show the skew of
+    :func:`skew_router` took: the last expert in every token's choices, or no choice off the
+    last rank's experts."""
+    if skew == "one_expert" and n:
+        assert layer.tokens_per_expert[-1] == n, f"{what}: a token's choices missed the skewed expert"
+    if skew == "one_rank":
+        local = layer.config.num_experts // world
+        assert layer.tokens_per_expert[:-local].sum() == 0, f"{what}: a choice left the last rank"
+
+
 def skew_tokens(x: torch.Tensor) -> torch.Tensor:
     """Make every token's first feature positive and at least 1, in place (see :func:`skew_router`)."""
     x[:, 0] = x[:, 0].abs() + 1.0

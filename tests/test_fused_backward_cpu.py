@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fused_cases import ALL_CASES, CASES, EDGE_CASES, build, tokens
+from fused_cases import ALL_CASES, CASES, EDGE_CASES, assert_skew_took, build, tokens
 from kosmos_moe import ExpertLayer
 from multiprocess import INTERPRET, run_world
 
@@ -148,13 +148,9 @@ def check_case(rank, world, case, skew, counts=None, max_tokens=None, **fused_op
                                msg=lambda m: f"{what} rank {rank} output: {m}")
     assert_grad_close(x_grad, ref_x_grad[start:start + n], f"{what} rank {rank}: x.grad")
     check_param_grads(rank, world, fused, full_grads, own_grads, what)
-    if skew == "one_expert" and n:
-        assert fused.tokens_per_expert[-1] == n, f"{what}: a token's choices missed the skewed expert"
-    if skew == "one_rank":
-        local = fused.config.num_experts // world
-        assert fused.tokens_per_expert[:-local].sum() == 0, f"{what}: a choice left the last rank"
-        if rank < world - 1:  # no row reached this rank's experts
-            assert not fused.experts.gate_up_proj.grad.any() and not fused.experts.down_proj.grad.any()
+    assert_skew_took(fused, skew, world, n, what)
+    if skew == "one_rank" and rank < world - 1:  # no row reached this rank's experts
+        assert not fused.experts.gate_up_proj.grad.any() and not fused.experts.down_proj.grad.any()
 
     # A no-grad forward computes the same function (the grad-mode one may keep more state, so
     # compare at the forward's tolerance), keeps nothing for a backward and leaves the
@@ -168,6 +164,7 @@ def check_case(rank, world, case, skew, counts=None, max_tokens=None, **fused_op
                                msg=lambda m: f"{what} rank {rank} no-grad output: {m}")
     for name, p in fused.named_parameters():
         assert torch.equal(p.grad, grads_before[name]), f"{what}: a no-grad forward changed {name}.grad"
+    return fused
 
 
 @contextlib.contextmanager
@@ -222,10 +219,8 @@ def check_full_capacity(rank, world, case):
     spec = CASES[case]
     top_k, experts = spec["shape"]["top_k"], spec["shape"]["num_experts"]
     full = max(spec["counts"])
-    _, fused = build(world, case, "one_rank", max_tokens=full)
-    fused.fused().prepare(torch.float32)
+    fused = check_case(rank, world, case, "one_rank", counts=[full] * world, max_tokens=full)
     assert fused.fused().layout.recv_rows == world * full * min(top_k, experts // world)
-    check_case(rank, world, case, "one_rank", counts=[full] * world, max_tokens=full)
 
 
 @pytest.mark.parametrize("world", [2, 4])
