@@ -278,14 +278,22 @@ def _checkpoint_meta(p: argparse.ArgumentParser, resume: str, rank: int) -> dict
         p.error(f"--resume: {e}")
 
 
-def _check_checkpoint_layout(resume: str, meta: dict, *, world: int, ep: int, config) -> None:
+def _check_checkpoint_layout(p: argparse.ArgumentParser, resume: str, meta: dict, *, world: int, ep: int,
+                             config) -> None:
     """Refuse a checkpoint of another world, EP size or model: its shards would not fit."""
     # Through JSON, as the checkpoint stored it (tuples become lists).
     want = {"world": world, "ep": ep, "config": json.loads(json.dumps(dataclasses.asdict(config)))}
     for key, value in want.items():
-        if meta.get(key) != value:
-            raise ValueError(f"checkpoint {resume!r} was written with {key}={meta.get(key)!r}, "
-                             f"this run has {key}={value!r}")
+        stored = meta.get(key)
+        if stored == value:
+            continue
+        if isinstance(stored, dict) and isinstance(value, dict):
+            fields = sorted(set(stored) | set(value))
+            diff = "; ".join(f"{f}: {stored.get(f)!r} in the checkpoint, {value.get(f)!r} in this run"
+                             for f in fields if stored.get(f) != value.get(f))
+            p.error(f"--resume: checkpoint {resume!r} was written with another model config ({diff}); "
+                    f"run with its options, or give another --out")
+        p.error(f"--resume: checkpoint {resume!r} was written with {key}={stored!r}, this run has {key}={value!r}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -336,7 +344,7 @@ def main(argv: list[str] | None = None) -> dict:
     resume, fresh_note = _resolve_resume(a.resume, out)
     if resume is not None:
         meta = _checkpoint_meta(parser, resume, rank)
-        _check_checkpoint_layout(resume, meta, world=world, ep=par.ep, config=config)
+        _check_checkpoint_layout(parser, resume, meta, world=world, ep=par.ep, config=config)
     tokens_per_rank = a.batch * a.seq_len
     runtime = MoERuntime(
         backend=a.backend, group=par.ep_group,
