@@ -57,7 +57,8 @@ class ExpertExchange:
             raise ValueError(f"num_experts={num_experts} does not divide over {fabric.world_size} ranks")
         # The exchange moves rows only; the expert width is irrelevant to it.
         self.config = MoEConfig(hidden_size=hidden_size, moe_intermediate_size=16, num_experts=num_experts, top_k=top_k)
-        self.launch = FusedBackward(self.config, fabric, max_tokens_per_rank, workers, wait_bound=wait_bound)
+        self.launch = FusedBackward(self.config, fabric, max_tokens_per_rank, workers, wait_bound=wait_bound,
+                                    rows_only=True)
         self.launch.direction = "dispatch/combine"
         self.fabric = fabric
         self._calls = 0

@@ -723,7 +723,7 @@ class FusedBackward(_PersistentLaunch):
     direction = "backward"
 
     def __init__(self, config, fabric, max_tokens, workers=None, tiles=None, wait_bound=None, profile=False,
-                 saved: int = SAVED_NONE) -> None:
+                 saved: int = SAVED_NONE, rows_only: bool = False) -> None:
         on_gpu = fabric.device.type == "cuda"
         tiles = tiles or (GPU_BACKWARD_TILES if on_gpu else INTERPRETER_BACKWARD_TILES)
         if saved == SAVED_NONE:
@@ -734,6 +734,7 @@ class FusedBackward(_PersistentLaunch):
 
         self.profile_slots = PROFILE_SLOTS
         self.saved = saved
+        self.rows_only = rows_only  # a standalone dispatch/combine: no gradient buffers (backward_layout)
         self.warm = False  # compiled and loaded for this layer (warm_up)
 
     def _build_constexprs(self, dtype: torch.dtype, on_gpu: bool | None) -> dict:
@@ -750,7 +751,8 @@ class FusedBackward(_PersistentLaunch):
         )
 
     def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:
-        return backward_layout(self.config, self.fabric.world_size, self.max_tokens, self.tiles, dtype)
+        return backward_layout(self.config, self.fabric.world_size, self.max_tokens, self.tiles, dtype,
+                               rows_only=self.rows_only)
 
     def __call__(
         self, tokens: torch.Tensor, grad_out: torch.Tensor, top_e: torch.Tensor, top_w: torch.Tensor,

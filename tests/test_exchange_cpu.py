@@ -48,6 +48,21 @@ def test_dispatch_combine_round_trip(world):
     run_world(world, check_round_trip, [13, 0, 21, 5][:world], env=INTERPRET)
 
 
+def test_exchange_workspace_holds_no_gradient_rows():
+    """The exchange shares the backward kernel's dispatch and layout but moves no output
+    gradients: its workspace leaves out at least the ``R x H`` gradient rows (at DeepSeek-V3,
+    W = 8, T = 16384: 15 of 32 GB). The round trips above run in that smaller workspace."""
+    from kosmos_moe.config import MoEConfig
+    from kosmos_moe.workspace import GPU_BACKWARD_TILES, backward_layout
+
+    config = MoEConfig(hidden_size=7168, moe_intermediate_size=16, num_experts=256, top_k=8)
+    full, rows_only = (backward_layout(config, 8, 16384, GPU_BACKWARD_TILES, torch.bfloat16, rows_only=r)
+                       for r in (False, True))
+    assert rows_only.recv_rows == full.recv_rows == 8 * 16384 * 8
+    assert full.nbytes - rows_only.nbytes >= full.recv_rows * 7168 * 2
+    assert rows_only.nbytes < 18 * 2**30, rows_only.nbytes
+
+
 def check_bad_calls(rank, world):
     from kosmos_moe.fused import ExpertLayerTimeout
 
