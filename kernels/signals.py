@@ -49,6 +49,8 @@ def peer_ptr(peers_ptr, rank, byte_offset, DTYPE: tl.constexpr):
 
     The alignment hint goes on the typed base pointer and the offset is added in elements, so
     that the compiler keeps the hint (an offset folded into the integer would drop it).
+    ``byte_offset`` is meant to be a ``tl.constexpr`` (a ``B_*`` or ``C_*`` offset): past 2**31
+    Triton widens a constant, while a runtime int32 offset would wrap.
     """
     ELEM: tl.constexpr = DTYPE.primitive_bitwidth // 8
     base = tl.multiple_of(peer_base(peers_ptr, rank).to(tl.pointer_type(DTYPE)), WORKSPACE_ALIGN)
