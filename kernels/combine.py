@@ -45,7 +45,7 @@ def combine_kernel(
 ):
     DT = y_ptr.dtype.element_ty
     ES: tl.constexpr = DT.primitive_bitwidth // 8
-    SLOTS: tl.constexpr = TOP_K + 1   # the dispatch workspace's combine buffer has K + 1 slots
+    SLOTS: tl.constexpr = TOP_K   # the exchange's combine buffer (backward_layout, rows_only)
     ctl = peer_ptr(peers_ptr, me, 0, tl.int32)
     heads = ctl + C_HEADS
     err = ctl + C_ERR

@@ -286,8 +286,8 @@ def backward_layout(
 
     ``rows_only``: the layout of a standalone dispatch and combine (kosmos_moe.exchange), which
     move input rows and their results only: the output-gradient rows, the expert-backward
-    buffers and the router-gradient buffers take no space (at DeepSeek-V3, W = 8, T = 16384,
-    that is 15 of 32 GB).
+    buffers, the router-gradient buffers and the combine buffer's router slot take no space (at
+    DeepSeek-V3, W = 8, T = 16384, that is 15 of 32 GB).
     """
     E, K, H = config.num_experts, config.top_k, config.hidden_size
     L = E // world
@@ -322,7 +322,7 @@ def backward_layout(
         ("recv_g", grads * es * R * H),
         ("hw", grads * es * R * I),
         ("dgu", grads * es * R * 2 * I),
-        ("comb", es * max_tokens * (K + 1) * H),
+        ("comb", es * max_tokens * (K + grads) * H),  # slot K: the router's part of grad_x
     ]
     words, offsets, pos = _pack(word_sizes, byte_sizes)
     if max(words.values()) >= 2**31 or R * 2 * max(H, I) >= 2**62:
