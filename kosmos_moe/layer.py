@@ -257,6 +257,10 @@ class ExpertLayer(nn.Module):
             out = out + self.shared_experts(tokens)
         return out.reshape(*leading, self.config.hidden_size)
 
+    # Opaque to torch.compile: the launch keeps its workspace, epochs and error records on the
+    # host, which Dynamo cannot trace (it failed on the workspace's byte views); a compiled
+    # model runs this call eagerly between its compiled regions.
+    @torch.compiler.disable
     def _kosmos_forward(self, tokens: torch.Tensor) -> torch.Tensor:
         launcher = self.fused()
         routed = (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj)

@@ -538,3 +538,44 @@ def test_triton_allocator_set_only_when_missing():
         assert _allocation._allocator.get() is callers_own
 
     contextvars.copy_context().run(body)
+
+
+def check_compiled_block(rank, world, case):
+    """A block of linear -> fused layer -> linear under torch.compile (AOT autograd) computes,
+    forward and backward, exactly what it computes eagerly: the fused call runs eagerly
+    between the compiled regions (``ExpertLayer._kosmos_forward`` is opaque to Dynamo)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    spec = CASES[case]
+    hidden = spec["shape"]["hidden_size"]
+    counts = spec["counts"][:world]
+    _, fused = build(world, case, "none", max_tokens=max(counts) + 3)
+    torch.manual_seed(1)
+    block = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), fused, torch.nn.Linear(hidden, hidden))
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, backend=counter)
+    for call, n in enumerate((counts[rank], max(counts[rank] - 5, 0))):
+        x = tokens([n] * world, hidden, seed=20 + call, positive=False)[rank]
+        g = cotangents([n] * world, hidden, seed=20 + call)[rank]
+        results = []
+        for run in (block, compiled):
+            block.zero_grad(set_to_none=True)
+            xr = x.clone().requires_grad_(True)
+            out = run(xr)
+            out.backward(g)
+            results.append((out.detach(), xr.grad, {k: p.grad.clone() for k, p in block.named_parameters()
+                                                    if p.grad is not None}))
+        (out_e, dx_e, grads_e), (out_c, dx_c, grads_c) = results
+        what = f"rank {rank}, call {call} ({n} tokens)"
+        assert torch.equal(out_c, out_e), what
+        assert torch.equal(dx_c, dx_e), what
+        assert grads_c.keys() == grads_e.keys(), what
+        for k in grads_e:
+            assert torch.equal(grads_c[k], grads_e[k]), f"{what}: {k}"
+        with torch.no_grad():
+            assert torch.equal(compiled(x), block(x)), f"{what}: no-grad call"
+    assert counter.frame_count >= 1, "nothing was compiled: the test would not see a tracing failure"
+
+
+def test_torch_compile_around_the_fused_layer():
+    run_world(2, check_compiled_block, "softmax_shared", env=INTERPRET)

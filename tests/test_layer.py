@@ -118,6 +118,33 @@ def test_all_tokens_to_one_expert():
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("router", ["softmax", "sigmoid_group"])
+def test_torch_compile_matches_eager(router):
+    """The reference backend under torch.compile (Dynamo + AOT autograd): the same output,
+    input and parameter gradients, routing statistics and auxiliary loss as eagerly."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    layer = build(router, compute_aux_loss=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter)
+    x = torch.randn(30, layer.config.hidden_size, dtype=torch.float64)
+    results = []
+    for run in (layer, compiled):
+        layer.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_(True)
+        out = run(xr)
+        (out.square().sum() + layer.aux_loss).backward()
+        results.append((out.detach(), xr.grad, layer.tokens_per_expert.clone(), layer.aux_loss.detach(),
+                        {k: p.grad for k, p in layer.named_parameters()}))
+    for eager, comp in zip(*results):
+        if isinstance(eager, dict):
+            for k in eager:
+                torch.testing.assert_close(comp[k], eager[k], rtol=1e-12, atol=1e-12, msg=k)
+        else:
+            torch.testing.assert_close(comp, eager, rtol=1e-12, atol=1e-12)
+    assert counter.frame_count >= 1
+
+
 def test_load_statistics_and_bias_update_through_layer():
     layer = build("sigmoid_group")
     layer.gate.e_score_correction_bias.zero_()
