@@ -235,10 +235,7 @@ class ExpertLayer(nn.Module):
             return self._kosmos_forward(tokens).reshape(*leading, self.config.hidden_size)
         routing = self.gate(tokens)
 
-        with torch.no_grad():
-            counts = tokens_per_expert(routing.experts, self.config.num_experts)
-            self.tokens_per_expert.copy_(counts)
-            self.load_since_bias_update.add_(counts)
+        self._record_load(tokens_per_expert(routing.experts, self.config.num_experts))
         self.aux_loss = (
             switch_aux_loss(routing.scores, routing.experts, self.config.num_experts)
             if self.compute_aux_loss
@@ -276,11 +273,17 @@ class ExpertLayer(nn.Module):
         else:
             out, top_e = launcher(tokens, self)  # inference: nothing saved
             self._recompute_aux_loss(tokens)
-        with torch.no_grad():
-            counts = tokens_per_expert(top_e, self.config.num_experts)
-            self.tokens_per_expert.copy_(counts)
-            self.load_since_bias_update.add_(counts)
+        self._record_load(tokens_per_expert(top_e, self.config.num_experts))
         return out
+
+    @torch.no_grad()
+    def _record_load(self, counts: torch.Tensor) -> None:
+        self.tokens_per_expert.copy_(counts)
+        # A forward run by the autograd engine is activation checkpointing's recompute of a
+        # call already counted (the reentrant and non-reentrant kinds both recompute inside
+        # the backward's graph task; torch.utils.checkpoint tells them apart the same way).
+        if torch._C._current_graph_task_id() == -1:
+            self.load_since_bias_update.add_(counts)
 
     def _trains(self, tokens: torch.Tensor) -> bool:
         """Whether a call on ``tokens`` builds a graph for a backward (else it keeps nothing)."""

@@ -579,3 +579,43 @@ def check_compiled_block(rank, world, case):
 
 def test_torch_compile_around_the_fused_layer():
     run_world(2, check_compiled_block, "softmax_shared", env=INTERPRET)
+
+
+def check_checkpointed_block(rank, world, case, use_reentrant):
+    """A block of linear -> fused layer -> linear under activation checkpointing: the fused
+    forward runs again inside the backward (on every rank, so the recomputed launches pair
+    up), the gradients equal those without checkpointing bitwise, and the recompute does not
+    count its tokens a second time in the load the bias update reads."""
+    from torch.utils.checkpoint import checkpoint
+
+    spec = CASES[case]
+    hidden, top_k = spec["shape"]["hidden_size"], spec["shape"]["top_k"]
+    counts = spec["counts"][:world]
+    _, fused = build(world, case, "none", max_tokens=max(counts) + 3)
+    torch.manual_seed(1)
+    block = torch.nn.Sequential(torch.nn.Linear(hidden, hidden), fused, torch.nn.Linear(hidden, hidden))
+    x = tokens(counts, hidden, seed=30, positive=False)[rank]
+    g = cotangents(counts, hidden, seed=30)[rank]
+    launches = []
+    record_backward_launches(fused, lambda: launches.append(1))
+    results = []
+    for ac in (False, True):
+        block.zero_grad(set_to_none=True)
+        fused.load_since_bias_update.zero_()
+        xr = x.clone().requires_grad_(True)
+        out = checkpoint(block, xr, use_reentrant=use_reentrant) if ac else block(xr)
+        out.backward(g)
+        results.append((out.detach(), xr.grad, {k: p.grad for k, p in block.named_parameters() if p.grad is not None}))
+        what = f"rank {rank}, checkpointed={ac}"
+        assert int(fused.load_since_bias_update.sum()) == counts[rank] * top_k, what
+    assert len(launches) == 2, f"rank {rank}: {len(launches)} fused backward launches for 2 backwards"
+    (out_e, dx_e, grads_e), (out_c, dx_c, grads_c) = results
+    assert torch.equal(out_c, out_e) and torch.equal(dx_c, dx_e), f"rank {rank}"
+    assert grads_c.keys() == grads_e.keys()
+    for k in grads_e:
+        assert torch.equal(grads_c[k], grads_e[k]), f"rank {rank}: {k}"
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_around_the_fused_layer(use_reentrant):
+    run_world(2, check_checkpointed_block, "softmax_shared", use_reentrant, env=INTERPRET)

@@ -145,6 +145,27 @@ def test_torch_compile_matches_eager(router):
     assert counter.frame_count >= 1
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_activation_checkpointing_counts_the_load_once(use_reentrant):
+    """Checkpointing reruns the forward inside the backward: same gradients, and the load the
+    bias update reads counts each call's tokens once."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = build("sigmoid_group")
+    x = torch.randn(30, layer.config.hidden_size, dtype=torch.float64)
+    grads = []
+    for ac in (False, True):
+        layer.zero_grad(set_to_none=True)
+        layer.load_since_bias_update.zero_()
+        xr = x.clone().requires_grad_(True)
+        out = checkpoint(layer, xr, use_reentrant=use_reentrant) if ac else layer(xr)
+        out.square().sum().backward()
+        assert int(layer.load_since_bias_update.sum()) == 30 * layer.config.top_k
+        grads.append([xr.grad] + [p.grad for p in layer.parameters()])
+    for eager, recomputed in zip(*grads):
+        assert torch.equal(eager, recomputed)
+
+
 def test_load_statistics_and_bias_update_through_layer():
     layer = build("sigmoid_group")
     layer.gate.e_score_correction_bias.zero_()
