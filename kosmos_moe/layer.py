@@ -200,9 +200,13 @@ class ExpertLayer(nn.Module):
                 f"hidden_states is on {hidden_states.device} but the layer's weights are on {weight.device}"
             )
         if hidden_states.dtype != weight.dtype:
+            hint = "cast the input or the layer"
+            if torch.is_autocast_enabled(hidden_states.device.type):
+                hint = (f"torch.autocast is on, and it does not cast this layer: it computes in its parameters' "
+                        f"dtype (the router in fp32). Convert the layer (layer.to({hidden_states.dtype})), "
+                        f"or cast the input to {weight.dtype}")
             raise TypeError(
-                f"hidden_states has dtype {hidden_states.dtype} but the layer's weights are {weight.dtype}; "
-                "cast the input or the layer"
+                f"hidden_states has dtype {hidden_states.dtype} but the layer's weights are {weight.dtype}; {hint}"
             )
 
     def fused(self):
@@ -229,6 +233,13 @@ class ExpertLayer(nn.Module):
             if self.backend == "kosmos" and self.ep_world > 1:  # peers must not be left in this call's collectives
                 self.fused().join_refused_call(self, self._trains(hidden_states), str(exc))
             raise
+        # The layer computes in its parameters' dtype (the router and the fold in fp32), as
+        # the fused kernel does: torch.autocast would otherwise run the reference's fold and
+        # the shared experts' GEMMs in its own dtype, and change its results.
+        with torch.autocast(hidden_states.device.type, enabled=False):
+            return self._forward(hidden_states)
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         leading = hidden_states.shape[:-1]
         tokens = hidden_states.reshape(-1, self.config.hidden_size)
         if self.backend == "kosmos":

@@ -98,7 +98,10 @@ class Router(nn.Module):
             self.e_score_correction_bias.zero_()
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.linear(tokens.float(), self.weight.float())
+        # fp32 under torch.autocast too (it would run this linear in bf16/fp16 and change the
+        # choices), as the fused kernel's router computes.
+        with torch.autocast(tokens.device.type, enabled=False):
+            return F.linear(tokens.float(), self.weight.float())
 
     def forward(self, tokens: torch.Tensor) -> Routing:
         c = self.config

@@ -234,6 +234,33 @@ def test_wrong_dtype():
         build("softmax")(torch.randn(3, 48, dtype=torch.float32))
 
 
+def test_autocast_does_not_change_the_layer():
+    """Under torch.autocast the layer computes as without it, in its parameters' dtype (the
+    router and the fold in fp32): the same output, gradients and auxiliary loss, bitwise.
+    Autocast used to run the router's linear, the fold and the shared experts in bf16."""
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        layer = ExpertLayer(48, 40, 6, 2, num_shared_experts=1, compute_aux_loss=True, dtype=dtype)
+        x = torch.randn(50, 48, dtype=dtype)
+        results = []
+        for autocast in (False, True):
+            layer.zero_grad(set_to_none=True)
+            xr = x.clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = layer(xr)
+                loss = out.float().square().sum() + layer.aux_loss
+            loss.backward()
+            results.append([out, xr.grad, layer.aux_loss, *(p.grad for p in layer.parameters())])
+        for plain, cast in zip(*results):
+            assert plain.dtype == cast.dtype and torch.equal(plain, cast), dtype
+
+
+def test_autocast_with_another_dtype_than_the_layer_says_so():
+    with pytest.raises(TypeError, match=r"torch.autocast is on.*layer.to\(torch.bfloat16\)"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ExpertLayer(48, 40, 6, 2)(torch.nn.Linear(48, 48)(torch.randn(3, 48)))
+
+
 def test_integer_input():
     with pytest.raises(TypeError, match="floating-point"):
         build("softmax")(torch.ones(3, 48, dtype=torch.int64))

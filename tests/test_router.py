@@ -33,6 +33,26 @@ def test_softmax_routes_in_fp32_for_bf16_logits():
     assert r.weights.dtype == torch.float32 and r.scores.dtype == torch.float32
 
 
+@pytest.mark.parametrize("router", ["softmax", "sigmoid_group"])
+def test_router_stays_fp32_under_autocast(router):
+    """torch.autocast would run the gate's linear in bf16: the logits, choices and weights
+    must be those of the fp32 router, as the fused kernel computes them."""
+    from kosmos_moe import ExpertLayer
+
+    torch.manual_seed(0)
+    groups = dict(n_group=4, topk_group=2) if router == "sigmoid_group" else {}
+    gate = ExpertLayer(64, 16, 16, 4, router=router, **groups, dtype=torch.bfloat16).gate
+    x = torch.randn(256, 64, dtype=torch.bfloat16)
+    plain = gate(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = gate.logits(x)
+        cast = gate(x)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, gate.logits(x), rtol=0, atol=0)
+    assert torch.equal(cast.experts, plain.experts)
+    torch.testing.assert_close(cast.weights, plain.weights, rtol=0, atol=0)
+
+
 # Sigmoid scores per expert, four groups of two experts:
 #   group 0: 0.90 0.10 (top-2 sum 1.00)   group 1: 0.60 0.55 (1.15)
 #   group 2: 0.95 0.01 (0.96)             group 3: 0.20 0.20 (0.40)
