@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -91,7 +93,7 @@ class SharedExperts(nn.Module):
 
 
 def shared_experts_backward(
-    shared: SharedExperts,
+    weights: Mapping[str, torch.Tensor],
     x: torch.Tensor,
     grad_out: torch.Tensor,
     gate_up: torch.Tensor,
@@ -106,10 +108,12 @@ def shared_experts_backward(
     ``dWg = dg^T x``, ``dWu = du^T x`` and ``dx += dg Wg + du Wu`` (added into ``dx`` in the
     GEMMs' epilogue), each only if asked for. The elementwise steps are autograd's own for
     :class:`SharedExperts`, in the activation dtype, so the gradients round as its do.
-    ``need`` maps parameter names (``gate_proj.weight``, ...) to whether their gradient is
+    ``weights`` maps :class:`SharedExperts`' parameter names (``gate_proj.weight``, ...) to the
+    tensors the forward used (saved by autograd: not the module's, which may have been swapped
+    for the call, as under autocast). ``need`` maps the same names to whether their gradient is
     wanted. Returns ``dx`` (``None`` unless ``need_x``) and those gradients by name.
     """
-    wg, wu, wd = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+    wg, wu, wd = (weights[f"{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj"))
     want_g, want_u, want_d = (need.get(f"{p}.weight", False) for p in ("gate_proj", "up_proj", "down_proj"))
     grad_out = grad_out.to(x.dtype)
     gate, up = gate_up.chunk(2, dim=-1)

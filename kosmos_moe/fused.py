@@ -880,16 +880,17 @@ class FusedExpertsFunction(torch.autograd.Function):
             d_router = d_router.to(router_weight.dtype)
         d_shared = [None] * len(shared_weights)
         need_shared = list(need[FusedExpertsFunction.SHARED:])
+        # shared_weights are the tensors of ctx.shared_mlp.parameters() in order at the forward
+        # (ExpertLayer._kosmos_forward); the module may hold others now (autocast's copies).
+        names = [name for name, _ in ctx.shared_mlp.named_parameters()] if ctx.shared_mlp is not None else []
         if shared_kept is not None and (any(need_shared) or need[0]):
-            # shared_weights are ctx.shared_mlp.parameters() in order (ExpertLayer._kosmos_forward).
-            names = [name for name, _ in ctx.shared_mlp.named_parameters()]
-            dx, grads = shared_experts_backward(ctx.shared_mlp, tokens, grad_out, shared_kept, dx, need[0],
-                                                dict(zip(names, need_shared)))
+            dx, grads = shared_experts_backward(dict(zip(names, shared_weights)), tokens, grad_out, shared_kept, dx,
+                                                need[0], dict(zip(names, need_shared)))
             d_shared = [grads.get(name) for name in names]
         elif any(need_shared) or (need[0] and shared_weights):
             with torch.enable_grad():
                 x = tokens.detach().requires_grad_(need[0])
-                y = ctx.shared_mlp(x)
+                y = torch.func.functional_call(ctx.shared_mlp, dict(zip(names, shared_weights)), (x,))
                 wrt = [t for t, n in zip([x, *shared_weights], [need[0], *need_shared]) if n]
                 got = iter(torch.autograd.grad(y, wrt, grad_out.to(y.dtype)))
             if need[0]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import asdict
 from typing import Mapping
 
@@ -20,6 +22,10 @@ from .router import Router
 BACKENDS: tuple[str, ...] = ("reference", "kosmos", "deepep")
 
 _EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
+
+
+def _autocast_on(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
 
 
 class ExpertLayer(nn.Module):
@@ -186,6 +192,17 @@ class ExpertLayer(nn.Module):
         first = self.ep_rank * self.num_local_experts
         return first, first + self.num_local_experts
 
+    def _autocast_dtype(self, hidden_states: torch.Tensor) -> torch.dtype | None:
+        """The dtype to run in when torch.autocast is on and would lower this fp32 layer's
+        precision (a floating input of fp32 or of that dtype); else None."""
+        device = hidden_states.device.type
+        if not _autocast_on(device) or self.gate.weight.dtype != torch.float32:
+            return None
+        dtype = torch.get_autocast_dtype(device)
+        if dtype == torch.float32 or hidden_states.dtype not in (torch.float32, dtype):
+            return None
+        return dtype
+
     def _check_input(self, hidden_states: torch.Tensor) -> None:
         weight = self.gate.weight
         if not torch.is_floating_point(hidden_states):
@@ -200,13 +217,9 @@ class ExpertLayer(nn.Module):
                 f"hidden_states is on {hidden_states.device} but the layer's weights are on {weight.device}"
             )
         if hidden_states.dtype != weight.dtype:
-            hint = "cast the input or the layer"
-            if torch.is_autocast_enabled(hidden_states.device.type):
-                hint = (f"torch.autocast is on, and it does not cast this layer: it computes in its parameters' "
-                        f"dtype (the router in fp32). Convert the layer (layer.to({hidden_states.dtype})), "
-                        f"or cast the input to {weight.dtype}")
             raise TypeError(
-                f"hidden_states has dtype {hidden_states.dtype} but the layer's weights are {weight.dtype}; {hint}"
+                f"hidden_states has dtype {hidden_states.dtype} but the layer's weights are {weight.dtype}; "
+                "cast the input or the layer"
             )
 
     def fused(self):
@@ -227,6 +240,13 @@ class ExpertLayer(nn.Module):
         return self._fused
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        compute = self._autocast_dtype(hidden_states)
+        if compute is not None:
+            # What autocast does for nn.Linear, for the whole layer: it runs as its copy in
+            # autocast's dtype would (router and fold still fp32), with the gradients going to
+            # its fp32 parameters through the casts. The casts are made anew at every call.
+            params = {name: p.to(compute) for name, p in self.named_parameters()}
+            return torch.func.functional_call(self, params, (hidden_states.to(compute),))
         try:
             self._check_input(hidden_states)
         except (TypeError, ValueError) as exc:
@@ -235,8 +255,10 @@ class ExpertLayer(nn.Module):
             raise
         # The layer computes in its parameters' dtype (the router and the fold in fp32), as
         # the fused kernel does: torch.autocast would otherwise run the reference's fold and
-        # the shared experts' GEMMs in its own dtype, and change its results.
-        with torch.autocast(hidden_states.device.type, enabled=False):
+        # the shared experts' GEMMs in its own dtype, and change its results. (An fp32 layer
+        # under autocast has been cast above.)
+        device = hidden_states.device.type
+        with torch.autocast(device, enabled=False) if _autocast_on(device) else contextlib.nullcontext():
             return self._forward(hidden_states)
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

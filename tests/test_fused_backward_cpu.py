@@ -619,3 +619,37 @@ def check_checkpointed_block(rank, world, case, use_reentrant):
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing_around_the_fused_layer(use_reentrant):
     run_world(2, check_checkpointed_block, "softmax_shared", use_reentrant, env=INTERPRET)
+
+
+def check_autocast(rank, world, case, save_shared):
+    """An fp32 fused layer under torch.autocast computes what its copy in autocast's dtype
+    computes, bitwise, and its fp32 parameters get that copy's gradients. fp16: the
+    interpreter's dots are exact there, not in bf16."""
+    spec = CASES[case]
+    hidden = spec["shape"]["hidden_size"]
+    counts = spec["counts"][:world]
+    layers = [build(world, case, "none", max_tokens=max(counts) + 3, dtype=dtype, save_shared=save_shared)[1]
+              for dtype in (torch.float32, torch.float16)]
+    x = tokens(counts, hidden, seed=40, positive=False)[rank]
+    g = cotangents(counts, hidden, seed=40)[rank].half()
+    results = []
+    for layer, autocast in zip(layers, (True, False)):
+        xr = (x if autocast else x.half()).clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            out = layer(xr)
+        out.backward(g)
+        results.append((out, xr.grad.half(), layer.tokens_per_expert,
+                        {k: p.grad.half() for k, p in layer.named_parameters() if p.grad is not None}))
+    (out, dx, load, grads), (out_c, dx_c, load_c, grads_c) = results
+    what = f"rank {rank}, save_shared={save_shared}"
+    assert out.dtype == torch.float16 and torch.equal(out, out_c), what
+    assert torch.equal(dx, dx_c) and torch.equal(load, load_c), what
+    assert grads.keys() == grads_c.keys() and len(grads) == len(list(layers[0].parameters())), what
+    for k in grads:
+        assert layers[0].get_parameter(k).grad.dtype == torch.float32, f"{what}: {k}"
+        assert torch.equal(grads[k], grads_c[k]), f"{what}: {k}"
+
+
+@pytest.mark.parametrize("save_shared", [True, False])
+def test_fp32_layer_under_autocast_runs_as_its_copy(save_shared):
+    run_world(2, check_autocast, "softmax_shared", save_shared, env=INTERPRET)

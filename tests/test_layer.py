@@ -235,11 +235,12 @@ def test_wrong_dtype():
 
 
 def test_autocast_does_not_change_the_layer():
-    """Under torch.autocast the layer computes as without it, in its parameters' dtype (the
-    router and the fold in fp32): the same output, gradients and auxiliary loss, bitwise.
-    Autocast used to run the router's linear, the fold and the shared experts in bf16."""
+    """Under torch.autocast a layer in another dtype than fp32 computes as without it, in its
+    parameters' dtype (the router and the fold in fp32): the same output, gradients and
+    auxiliary loss, bitwise. Autocast used to run the router's linear, the fold and the shared
+    experts in bf16."""
     torch.manual_seed(0)
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (torch.bfloat16, torch.float64):  # fp32 layers: the next test
         layer = ExpertLayer(48, 40, 6, 2, num_shared_experts=1, compute_aux_loss=True, dtype=dtype)
         x = torch.randn(50, 48, dtype=dtype)
         results = []
@@ -255,10 +256,35 @@ def test_autocast_does_not_change_the_layer():
             assert plain.dtype == cast.dtype and torch.equal(plain, cast), dtype
 
 
-def test_autocast_with_another_dtype_than_the_layer_says_so():
-    with pytest.raises(TypeError, match=r"torch.autocast is on.*layer.to\(torch.bfloat16\)"):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            ExpertLayer(48, 40, 6, 2)(torch.nn.Linear(48, 48)(torch.randn(3, 48)))
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_fp32_layer_under_autocast_runs_as_its_bf16_copy(input_dtype):
+    """An fp32 layer under torch.autocast(bf16) computes what its bf16 copy computes, bitwise
+    (output, input gradient, auxiliary loss, routing statistics), and its fp32 parameters get
+    the copy's gradients (as autocast does for nn.Linear: gradients through the casts)."""
+    torch.manual_seed(0)
+    layer = ExpertLayer(48, 40, 6, 2, router="sigmoid_group", n_group=2, topk_group=1, num_shared_experts=1,
+                        compute_aux_loss=True)
+    copy = ExpertLayer(48, 40, 6, 2, router="sigmoid_group", n_group=2, topk_group=1, num_shared_experts=1,
+                       compute_aux_loss=True, dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
+    copy.load_state_dict(layer.state_dict())
+    x = torch.randn(50, 48)
+    xa = x.to(input_dtype).clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(xa)
+        loss = out.float().square().sum() + layer.aux_loss
+    loss.backward()  # outside autocast, as PyTorch's docs ask
+    xc = x.to(torch.bfloat16).requires_grad_(True)
+    out_c = copy(xc)
+    (out_c.float().square().sum() + copy.aux_loss).backward()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, out_c)
+    assert torch.equal(layer.aux_loss, copy.aux_loss)
+    assert xa.grad.dtype == input_dtype and torch.equal(xa.grad.to(torch.bfloat16), xc.grad)
+    assert torch.equal(layer.tokens_per_expert, copy.tokens_per_expert)
+    for (name, p), q in zip(layer.named_parameters(), copy.parameters()):
+        assert p.dtype == p.grad.dtype == torch.float32, name
+        assert torch.equal(p.grad.to(torch.bfloat16), q.grad), name
 
 
 def test_integer_input():
@@ -335,7 +361,7 @@ def test_shared_experts_backward_from_kept_projections(dtype, wanted):
     shared(xr).backward(g)
     with torch.no_grad():
         gate_up = torch.cat([shared.gate_proj(x), shared.up_proj(x)], dim=-1)
-        dx, grads = shared_experts_backward(shared, x, g, gate_up, dx_routed.clone(), need_x,
+        dx, grads = shared_experts_backward(dict(shared.named_parameters()), x, g, gate_up, dx_routed.clone(), need_x,
                                             {n: p.requires_grad for n, p in shared.named_parameters()})
     for name, p in params.items():
         if p.requires_grad:
