@@ -565,11 +565,12 @@ class FusedForward(_PersistentLaunch):
         lay, c = self.layout, self.config
         top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * c.top_k].view(n, c.top_k)
         self._watch()
+        out = out if n else out[:0]  # the buffer itself, not a view of it (FSDP2 warns on views)
         if not keep_routing:
-            return out[:n], top_e.long()
+            return out, top_e.long()
         w0 = lay.bytes["topk_w"]
         top_w = self.workspace.local[w0: w0 + 4 * n * c.top_k].view(torch.float32).view(n, c.top_k)
-        return out[:n], top_e.long(), top_e.clone(), top_w.clone(), saved
+        return out, top_e.long(), top_e.clone(), top_w.clone(), saved
 
     def _join_first_launch(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module, keep_routing: bool) -> None:
         """On a GPU, the first call (and the first training call) compiles and loads this

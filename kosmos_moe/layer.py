@@ -265,7 +265,7 @@ class ExpertLayer(nn.Module):
         leading = hidden_states.shape[:-1]
         tokens = hidden_states.reshape(-1, self.config.hidden_size)
         if self.backend == "kosmos":
-            return self._kosmos_forward(tokens).reshape(*leading, self.config.hidden_size)
+            return self._unflatten(self._kosmos_forward(tokens), leading)
         routing = self.gate(tokens)
 
         self._record_load(tokens_per_expert(routing.experts, self.config.num_experts))
@@ -285,13 +285,18 @@ class ExpertLayer(nn.Module):
             out = reference_expert_forward(tokens, routing, self.experts, self.config.num_experts, self.group)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens)
-        return out.reshape(*leading, self.config.hidden_size)
+        return self._unflatten(out, leading)
+
+    def _unflatten(self, out: torch.Tensor, leading: torch.Size) -> torch.Tensor:
+        # No view where none is needed (2-D input): FSDP2 warns on a module returning a view.
+        return out if out.shape[:-1] == leading else out.reshape(*leading, self.config.hidden_size)
 
     # Opaque to torch.compile: the launch keeps its workspace, epochs and error records on the
     # host, which Dynamo cannot trace (it failed on the workspace's byte views); a compiled
     # model runs this call eagerly between its compiled regions.
     @torch.compiler.disable
     def _kosmos_forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._check_unsharded()
         launcher = self.fused()
         routed = (self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj)
         shared = tuple(self.shared_experts.parameters()) if self.shared_experts is not None else ()
@@ -317,6 +322,19 @@ class ExpertLayer(nn.Module):
         # the backward's graph task; torch.utils.checkpoint tells them apart the same way).
         if torch._C._current_graph_task_id() == -1:
             self.load_since_bias_update.add_(counts)
+
+    def _check_unsharded(self) -> None:
+        """The kernels read the gate's, experts' and shared experts' parameters without calling
+        those modules, so FSDP2 hooks on them never gather their shards."""
+        from torch.distributed.tensor import DTensor
+
+        sharded = [name for name, p in self.named_parameters() if isinstance(p, DTensor)]
+        if sharded:
+            raise RuntimeError(
+                f"backend='kosmos' found {', '.join(sharded)} still sharded (DTensor) at the call: its kernels read "
+                "the parameters of the layer's gate, experts and shared experts without calling those modules, so "
+                "FSDP2 must wrap the ExpertLayer as a whole (fully_shard(layer)), not those submodules"
+            )
 
     def _trains(self, tokens: torch.Tensor) -> bool:
         """Whether a call on ``tokens`` builds a graph for a backward (else it keeps nothing)."""
