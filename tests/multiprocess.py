@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 
@@ -21,6 +22,11 @@ def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
     try:
         fn(rank, world, *args)
     finally:
+        # What the body left in reference cycles (a caught exception's frames, FSDP2 states)
+        # may hold process groups or device meshes: free it while the default group is up.
+        # Left to the interpreter's exit, their destructors aborted the process now and then
+        # ("terminate called without an active exception").
+        gc.collect()
         dist.destroy_process_group()
 
 
