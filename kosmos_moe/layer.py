@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 
 from dataclasses import asdict
 from typing import Mapping
@@ -164,6 +166,39 @@ class ExpertLayer(nn.Module):
         self._fused_options = dict(fused_options or {})
         self._fused = None
         self._deepep_buffer = deepep_buffer
+
+    # ----------------------------------------------------------------------------------------
+    # Copies (EMA and averaged models deep-copy the model) and pickling.
+
+    _HANDLES = ("group", "_fabric", "_deepep_buffer")  # communication handles: shared, never copied
+
+    def __deepcopy__(self, memo: dict) -> "ExpertLayer":
+        """A copy with copied parameters and buffers that shares this rank's process group,
+        fabric and DeepEP buffer and builds its own fused workspace at its first call (a
+        collective, like the original's: every rank copies its layer). Copied, the launcher
+        would have kept the original's address table, and the copy's kernels would have run
+        in the original's workspace while the copy read its routing from its own."""
+        for name in self._HANDLES:
+            handle = getattr(self, name)
+            if handle is not None:
+                memo[id(handle)] = handle
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        state = {k: v for k, v in self.__dict__.items() if k != "_fused"}
+        new.__dict__.update(copy.deepcopy(state, memo))
+        new._fused = None
+        return new
+
+    def __getstate__(self) -> dict:
+        """For pickling (``torch.save`` of the module): everything but the fused launcher, which
+        is rebuilt at the first call. A layer holding a process group, fabric or DeepEP buffer
+        cannot be pickled; save its ``state_dict`` instead."""
+        held = [name.lstrip("_") for name in self._HANDLES if getattr(self, name) is not None]
+        if held:
+            raise pickle.PicklingError(
+                f"this ExpertLayer holds a {', '.join(held)} (process-local handles): save its state_dict instead"
+            )
+        return {**self.__dict__, "_fused": None}
 
     # ----------------------------------------------------------------------------------------
     # Presets for the two production layer shapes.

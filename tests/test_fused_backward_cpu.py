@@ -653,3 +653,64 @@ def check_autocast(rank, world, case, save_shared):
 @pytest.mark.parametrize("save_shared", [True, False])
 def test_fp32_layer_under_autocast_runs_as_its_copy(save_shared):
     run_world(2, check_autocast, "softmax_shared", save_shared, env=INTERPRET)
+
+
+def check_deepcopy(rank, world, case):
+    """``copy.deepcopy`` of a fused layer after its first calls (as EMA and averaged models
+    do): the copy computes what the original computes, in a workspace of its own (the copy
+    used to run its kernels through the original's address table while reading its routing
+    from its own buffer), shares the process group, and trains apart from the original. A
+    layer holding a process group is refused by pickle with a message."""
+    import copy
+    import io
+    import pickle
+
+    spec = CASES[case]
+    hidden = spec["shape"]["hidden_size"]
+    counts = spec["counts"][:world]
+    _, fused = build(world, case, "none", max_tokens=max(counts) + 3)
+    xs = tokens(counts, hidden, seed=50, positive=False)
+    out = fused(xs[rank])
+    twin = copy.deepcopy(fused)
+    assert twin.group is fused.group and twin.experts.gate_up_proj is not fused.experts.gate_up_proj
+    for call in range(2):
+        got = twin(xs[rank])
+        assert torch.equal(got, fused(xs[rank])) and torch.equal(got, out), f"rank {rank}, call {call}"
+        assert torch.equal(twin.tokens_per_expert, fused.tokens_per_expert), f"rank {rank}, call {call}"
+    mine, theirs = twin.fused().workspace, fused.fused().workspace
+    assert mine.local.data_ptr() != theirs.local.data_ptr()
+    assert not set(mine.peers.tolist()) & set(theirs.peers.tolist()), "the copy runs in the original's workspace"
+    with torch.no_grad():
+        twin.experts.down_proj.mul_(2.0)
+    assert torch.equal(fused(xs[rank]), out), f"rank {rank}: changing the copy changed the original"
+    with pytest.raises(pickle.PicklingError, match=r"holds a group \(process-local handles\): save its state_dict"):
+        torch.save(fused, io.BytesIO())
+    # The reference backend in the same world: its copy shares the group too (a process group
+    # cannot be copied; deepcopy used to raise).
+    reference = ExpertLayer(**spec["shape"], group=dist.group.WORLD)
+    reference.load_state_dict(fused.state_dict())
+    assert torch.equal(copy.deepcopy(reference)(xs[rank]), reference(xs[rank]))
+
+
+def test_deepcopy_of_a_fused_layer():
+    run_world(2, check_deepcopy, "softmax_shared", env=INTERPRET)
+
+
+def check_pickle_round_trip(rank, world, case):
+    import io
+
+    spec = CASES[case]
+    _, fused = build(world, case, "none", max_tokens=40)
+    x = tokens([21], spec["shape"]["hidden_size"], seed=51, positive=False)[0]
+    out = fused(x)
+    buffer = io.BytesIO()
+    torch.save(fused, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded._fused is None and torch.equal(loaded(x), out)
+
+
+def test_pickle_of_a_fused_layer_without_a_group():
+    """torch.save of a whole single-process fused layer (it used to fail on the workspace's
+    views): the loaded layer rebuilds its workspace and computes the same."""
+    run_world(1, check_pickle_round_trip, "softmax_shared", env=INTERPRET)
