@@ -231,7 +231,7 @@ class ExpertLayer(nn.Module):
         """The dtype to run in when torch.autocast is on and would lower this fp32 layer's
         precision (a floating input of fp32 or of that dtype); else None."""
         device = hidden_states.device.type
-        if not _autocast_on(device) or self.gate.weight.dtype != torch.float32:
+        if not _autocast_on(device) or self.experts.gate_up_proj.dtype != torch.float32:
             return None
         dtype = torch.get_autocast_dtype(device)
         if dtype == torch.float32 or hidden_states.dtype not in (torch.float32, dtype):
@@ -239,7 +239,10 @@ class ExpertLayer(nn.Module):
         return dtype
 
     def _check_input(self, hidden_states: torch.Tensor) -> None:
-        weight = self.gate.weight
+        weight = self.experts.gate_up_proj  # the layer's dtype; the gate may be fp32 beside it
+        if self.gate.weight.dtype not in (weight.dtype, torch.float32):
+            raise TypeError(f"the gate's weight is {self.gate.weight.dtype}, the experts' {weight.dtype}: the gate "
+                            "must be in the experts' dtype or in fp32")
         if not torch.is_floating_point(hidden_states):
             raise TypeError(f"hidden_states must be a floating-point tensor, got dtype {hidden_states.dtype}")
         if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.config.hidden_size:
@@ -278,9 +281,10 @@ class ExpertLayer(nn.Module):
         compute = self._autocast_dtype(hidden_states)
         if compute is not None:
             # What autocast does for nn.Linear, for the whole layer: it runs as its copy in
-            # autocast's dtype would (router and fold still fp32), with the gradients going to
-            # its fp32 parameters through the casts. The casts are made anew at every call.
-            params = {name: p.to(compute) for name, p in self.named_parameters()}
+            # autocast's dtype would, with the gradients going to its fp32 parameters through
+            # the casts (made anew at every call). The router keeps its fp32 weight, as
+            # DeepSeek-V3's checkpoints keep it beside bf16 experts.
+            params = {name: p if name == "gate.weight" else p.to(compute) for name, p in self.named_parameters()}
             return torch.func.functional_call(self, params, (hidden_states.to(compute),))
         try:
             self._check_input(hidden_states)

@@ -328,3 +328,17 @@ def backward_layout(
     if max(words.values()) >= 2**31 or R * 2 * max(H, I) >= 2**62:
         raise ValueError("workspace too large to index; lower max_tokens_per_rank")
     return WorkspaceLayout(max_tokens, world, R, tile_cap, words, offsets, pos)
+
+
+def workspace_bytes(
+    config: MoEConfig, world: int, max_tokens: int, dtype: torch.dtype = torch.bfloat16,
+    tiles: Tiles = GPU_TILES, backward_tiles: BackwardTiles = GPU_BACKWARD_TILES,
+) -> dict[str, int]:
+    """Bytes of one rank's fused workspaces, without allocating them: ``forward`` (every layer
+    of ``backend="kosmos"``) and ``backward`` (allocated with the forward's when the layer's
+    parameters require grad), at the GPU's default tiles. For planning memory: a layer holds
+    both for its lifetime."""
+    return {
+        "forward": forward_layout(config, world, max_tokens, tiles, dtype).nbytes,
+        "backward": backward_layout(config, world, max_tokens, backward_tiles, dtype).nbytes,
+    }

@@ -623,13 +623,16 @@ def test_activation_checkpointing_around_the_fused_layer(use_reentrant):
 
 def check_autocast(rank, world, case, save_shared):
     """An fp32 fused layer under torch.autocast computes what its copy in autocast's dtype
-    computes, bitwise, and its fp32 parameters get that copy's gradients. fp16: the
-    interpreter's dots are exact there, not in bf16."""
+    (with the fp32 router weight) computes, bitwise, and its fp32 parameters get that copy's
+    gradients. fp16: the interpreter's dots are exact there, not in bf16."""
     spec = CASES[case]
     hidden = spec["shape"]["hidden_size"]
     counts = spec["counts"][:world]
     layers = [build(world, case, "none", max_tokens=max(counts) + 3, dtype=dtype, save_shared=save_shared)[1]
               for dtype in (torch.float32, torch.float16)]
+    layers[1].gate.float()  # the copy keeps the fp32 router weight, as the cast layer does
+    with torch.no_grad():
+        layers[1].gate.weight.copy_(layers[0].gate.weight)
     x = tokens(counts, hidden, seed=40, positive=False)[rank]
     g = cotangents(counts, hidden, seed=40)[rank].half()
     results = []

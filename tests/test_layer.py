@@ -258,14 +258,16 @@ def test_autocast_does_not_change_the_layer():
 
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
 def test_fp32_layer_under_autocast_runs_as_its_bf16_copy(input_dtype):
-    """An fp32 layer under torch.autocast(bf16) computes what its bf16 copy computes, bitwise
-    (output, input gradient, auxiliary loss, routing statistics), and its fp32 parameters get
-    the copy's gradients (as autocast does for nn.Linear: gradients through the casts)."""
+    """An fp32 layer under torch.autocast(bf16) computes what its bf16 copy (with the fp32
+    router weight) computes, bitwise (output, input gradient, auxiliary loss, routing
+    statistics), and its fp32 parameters get the copy's gradients (as autocast does for
+    nn.Linear: gradients through the casts)."""
     torch.manual_seed(0)
     layer = ExpertLayer(48, 40, 6, 2, router="sigmoid_group", n_group=2, topk_group=1, num_shared_experts=1,
                         compute_aux_loss=True)
     copy = ExpertLayer(48, 40, 6, 2, router="sigmoid_group", n_group=2, topk_group=1, num_shared_experts=1,
                        compute_aux_loss=True, dtype=torch.bfloat16)
+    copy.gate.float()  # the router keeps its fp32 weight
     with torch.no_grad():
         layer.gate.e_score_correction_bias.uniform_(-0.1, 0.1)
     copy.load_state_dict(layer.state_dict())
@@ -284,7 +286,21 @@ def test_fp32_layer_under_autocast_runs_as_its_bf16_copy(input_dtype):
     assert torch.equal(layer.tokens_per_expert, copy.tokens_per_expert)
     for (name, p), q in zip(layer.named_parameters(), copy.parameters()):
         assert p.dtype == p.grad.dtype == torch.float32, name
-        assert torch.equal(p.grad.to(torch.bfloat16), q.grad), name
+        assert torch.equal(p.grad.to(q.dtype), q.grad), name
+
+
+def test_fp32_router_beside_lower_precision_experts():
+    """A gate kept in fp32 beside bf16 experts (as DeepSeek-V3 checkpoints keep it) takes
+    inputs in the experts' dtype; a gate in a third dtype is refused."""
+    layer = ExpertLayer(48, 40, 6, 2, dtype=torch.bfloat16)
+    layer.gate.float()
+    out = layer(torch.randn(5, 48, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    with pytest.raises(TypeError, match="dtype torch.float32 but the layer's weights are torch.bfloat16"):
+        layer(torch.randn(5, 48))
+    layer.gate.half()
+    with pytest.raises(TypeError, match="gate's weight is torch.float16, the experts' torch.bfloat16"):
+        layer(torch.randn(5, 48, dtype=torch.bfloat16))
 
 
 def test_integer_input():

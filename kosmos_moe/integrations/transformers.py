@@ -108,27 +108,6 @@ class TransformersExpertLayer(ExpertLayer):
         self.source_block = source_block
         self.router_logits = RouterLogits()
 
-    def _check_input(self, hidden_states: torch.Tensor) -> None:
-        experts_dtype = self.experts.gate_up_proj.dtype
-        if self.gate.weight.dtype == experts_dtype:
-            return super()._check_input(hidden_states)
-        # An fp32 router beside lower-precision experts (DeepSeek-V3 checkpoints keep it so): the
-        # routing math upcasts anyway, so the input must match the experts.
-        if hidden_states.dtype != experts_dtype:
-            raise TypeError(
-                f"hidden_states has dtype {hidden_states.dtype} but the layer's experts are {experts_dtype}; "
-                "cast the input or the layer"
-            )
-        if hidden_states.dim() < 1 or hidden_states.shape[-1] != self.config.hidden_size:
-            raise ValueError(
-                f"hidden_states must have last dimension hidden_size={self.config.hidden_size}, "
-                f"got shape {tuple(hidden_states.shape)}"
-            )
-        if hidden_states.device != self.gate.weight.device:
-            raise ValueError(
-                f"hidden_states is on {hidden_states.device} but the layer's weights are on {self.gate.weight.device}"
-            )
-
     def forward(self, hidden_states: torch.Tensor):
         out = super().forward(hidden_states)
         emit = self.return_router_logits or (bool(self.router_logits._forward_hooks) and _recording_router_logits())
