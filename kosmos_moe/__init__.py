@@ -13,6 +13,8 @@ from .config import DEEPSEEK_V3, QWEN3_235B, MoEConfig
 from .fused import ExpertLayerTimeout
 from .layer import BACKENDS, ExpertLayer
 from .router import Router, Routing, route_sigmoid_group, route_softmax
+from .sharing import WorkspacePool, share_workspaces
+from .workspace import workspace_bytes
 
 __all__ = [
     "BACKENDS",
@@ -23,7 +25,10 @@ __all__ = [
     "QWEN3_235B",
     "Router",
     "Routing",
+    "WorkspacePool",
     "route_sigmoid_group",
     "route_softmax",
+    "share_workspaces",
+    "workspace_bytes",
 ]
 __version__ = "0.1.0"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -42,13 +43,18 @@ def _aligned(addresses: list[int], device: torch.device) -> list[int]:
     return addresses
 
 
-@dataclass
+@dataclass(eq=False)
 class Workspace:
-    """One rank's workspace (``local``, uint8) and every rank's base address (``peers``)."""
+    """One rank's workspace (``local``, uint8) and every rank's base address (``peers``).
+
+    ``failed`` holds the error of a call that left it inconsistent (a timeout, a call refused
+    on one rank of several): every launcher using it refuses later calls.
+    """
 
     local: torch.Tensor
     peers: torch.Tensor
     keepalive: tuple = ()
+    failed: Exception | None = None
 
 
 class Fabric:
@@ -64,6 +70,11 @@ class Fabric:
 
     def workspace(self, nbytes: int) -> Workspace:
         raise NotImplementedError
+
+    def domain(self) -> Hashable:
+        """What identifies this rank's peers: fabrics of equal domains may share workspaces
+        (:class:`kosmos_moe.WorkspacePool`). By default none shares."""
+        return self
 
     def barrier(self) -> None:
         """Wait for every rank of the world to get here; only ranks in separate processes wait."""
@@ -237,6 +248,10 @@ class EmulatedFabric(Fabric):
     def workspace(self, nbytes: int) -> Workspace:
         return self.world._workspace(self.rank, nbytes)
 
+    def domain(self) -> Hashable:
+        # One rank alone has no peers: every world of one on a device is the same domain.
+        return ("emulated", self.device, self.world if self.world_size > 1 else None, self.rank)
+
 
 def _check_same_size(nbytes: int, group: dist.ProcessGroup) -> None:
     """Raise on every rank if the ranks ask for workspaces of different sizes (a collective)."""
@@ -263,6 +278,9 @@ class SharedFileFabric(Fabric):
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def domain(self) -> Hashable:
+        return ("shared_file", self.group, self.directory)
 
     def workspace(self, nbytes: int) -> Workspace:
         n = self._requests
@@ -312,6 +330,9 @@ class SymmetricMemoryFabric(Fabric):
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
+
+    def domain(self) -> Hashable:
+        return ("symmetric_memory", self.group, self.device)
 
     def workspace(self, nbytes: int) -> Workspace:
         import torch.distributed._symmetric_memory as symm_mem

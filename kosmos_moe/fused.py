@@ -21,6 +21,7 @@ from .config import MoEConfig
 from .direct_launch import DirectLauncher
 from .experts import shared_experts_backward
 from .fabric import EmulatedFabric, EmulatedWorld, Fabric
+from .sharing import WorkspacePool
 from .workspace import (
     GPU_BACKWARD_TILES, GPU_TILES, INTERPRETER_BACKWARD_TILES, INTERPRETER_TILES, BackwardTiles, Tiles,
     WorkspaceLayout, backward_layout, forward_layout,
@@ -279,10 +280,11 @@ class _PersistentLaunch:
     profile_slots: tuple[str, ...] = ()
 
     def __init__(self, config: MoEConfig, fabric: Fabric, max_tokens: int, workers: int | None,
-                 tiles, wait_bound: int | None, profile: bool) -> None:
+                 tiles, wait_bound: int | None, profile: bool, pool: WorkspacePool | None = None) -> None:
         self.config = config
         self.fabric = fabric
         self.max_tokens = max_tokens
+        self.pool = pool
         on_gpu = fabric.device.type == "cuda"
         if not on_gpu and not interpreter_active():
             raise RuntimeError(
@@ -326,7 +328,10 @@ class _PersistentLaunch:
             return
         self._dtype = dtype
         self.layout = self._layout(dtype)
-        self.workspace = self.fabric.workspace(self.layout.nbytes)
+        if self.pool is not None:
+            self.workspace = self.pool.workspace(self.fabric, self.layout, self.direction)
+        else:
+            self.workspace = self.fabric.workspace(self.layout.nbytes)
         self._words = self.workspace.local[: 4 * self.layout.words["words"]].view(torch.int32)
 
     def _common_constexprs(self, dtype: torch.dtype, on_gpu: bool | None = None) -> dict:
@@ -381,11 +386,17 @@ class _PersistentLaunch:
         without it: they time out, and their half-finished exchange is in this rank's workspace.
         So this layer stays failed as theirs do (world 1 just refuses the call)."""
         if self.fabric.world_size > 1:
-            self.failed = ExpertLayerTimeout(
+            self._fail(ExpertLayerTimeout(
                 f"rank {self.fabric.rank} of {self.fabric.world_size} refused a {self.direction} call ({problem}); "
                 "its peers launched without it and time out. The workspaces of this world are now inconsistent: "
                 "rebuild the layers."
-            )
+            ))
+
+    def _fail(self, error: ExpertLayerTimeout) -> None:
+        """Remember ``error`` here and on the workspace, which other launchers may share."""
+        self.failed = error
+        if self.workspace is not None:
+            self.workspace.failed = error
 
     def profile_report(self) -> dict[str, dict[str, float]]:
         """Per task kind: worker-seconds spent and passes, summed over the profiled calls."""
@@ -421,6 +432,8 @@ class _PersistentLaunch:
         With ``block`` it waits for the calls in flight; otherwise it looks only at those that
         have finished. Every call does the non-blocking check first.
         """
+        if self.failed is None and self.workspace is not None and self.workspace.failed is not None:
+            self.failed = self.workspace.failed  # a call of another launcher sharing the workspace
         if self.failed is not None:
             self._raise_failed()
         if self.fabric.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -458,20 +471,20 @@ class _PersistentLaunch:
         if kind == 0:
             return
         if kind == _ERR_SHORT:
-            self.failed = ExpertLayerTimeout(
+            self._fail(ExpertLayerTimeout(
                 f"combine on rank {rank} was given {observed} expert-output rows, but {expected} rows were "
                 "dispatched to it; nothing was combined and this exchange's workspaces are no longer consistent"
-            )
+            ))
             self._raise_failed()
         what = _WHAT.get(kind, f"signal kind {kind}").format(
             peer=peer, index=index, expected=expected, observed=observed, task=task
         )
-        self.failed = ExpertLayerTimeout(
+        self._fail(ExpertLayerTimeout(
             f"kosmos {self.direction} on rank {rank} of {self.fabric.world_size} timed out after {self.wait_bound} polls "
             f"waiting for {what}. A peer may not have launched its {self.direction}, or launched a different one. "
             "The workspaces of this world are now inconsistent: rebuild the layers."
             + (_EMULATED_HINT if isinstance(self.fabric, EmulatedFabric) and self.fabric.world_size > 1 else "")
-        )
+        ))
         self._raise_failed()
 
 
@@ -515,10 +528,11 @@ class FusedForward(_PersistentLaunch):
         backward_tiles: BackwardTiles | None = None,
         save_gate_up: float = 1.25,
         save_shared: bool = True,
+        workspace_pool: WorkspacePool | None = None,
     ) -> None:
         on_gpu = fabric.device.type == "cuda"
         super().__init__(config, fabric, max_tokens, workers, tiles or (GPU_TILES if on_gpu else INTERPRETER_TILES),
-                         wait_bound, profile)
+                         wait_bound, profile, workspace_pool)
         from kosmos_moe.kernels.expert_forward import PROFILE_SLOTS
 
         if not save_gate_up >= 0:
@@ -528,7 +542,7 @@ class FusedForward(_PersistentLaunch):
         self.save_gate_up = save_gate_up
         self.save_shared = save_shared
         self.backward = FusedBackward(config, fabric, max_tokens, workers, backward_tiles, wait_bound, profile,
-                                      saved=saved_mode(save_gate_up, fabric.world_size))
+                                      saved=saved_mode(save_gate_up, fabric.world_size), pool=workspace_pool)
         self.backward_at_prepare = backward
 
     def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:
@@ -724,13 +738,13 @@ class FusedBackward(_PersistentLaunch):
     direction = "backward"
 
     def __init__(self, config, fabric, max_tokens, workers=None, tiles=None, wait_bound=None, profile=False,
-                 saved: int = SAVED_NONE, rows_only: bool = False) -> None:
+                 saved: int = SAVED_NONE, rows_only: bool = False, pool: WorkspacePool | None = None) -> None:
         on_gpu = fabric.device.type == "cuda"
         tiles = tiles or (GPU_BACKWARD_TILES if on_gpu else INTERPRETER_BACKWARD_TILES)
         if saved == SAVED_NONE:
             # Every SwiGLU-backward task redoes the projections: no wider tasks.
             tiles = dataclasses.replace(tiles, swiglu_cols=tiles.recompute_cols)
-        super().__init__(config, fabric, max_tokens, workers, tiles, wait_bound, profile)
+        super().__init__(config, fabric, max_tokens, workers, tiles, wait_bound, profile, pool)
         from kosmos_moe.kernels.expert_backward import PROFILE_SLOTS
 
         self.profile_slots = PROFILE_SLOTS

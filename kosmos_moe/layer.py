@@ -174,12 +174,12 @@ class ExpertLayer(nn.Module):
 
     def __deepcopy__(self, memo: dict) -> "ExpertLayer":
         """A copy with copied parameters and buffers that shares this rank's process group,
-        fabric and DeepEP buffer and builds its own fused workspace at its first call (a
-        collective, like the original's: every rank copies its layer). Copied, the launcher
+        fabric, DeepEP buffer and workspace pool, and builds its own fused workspace at its first
+        call unless the pool has one (a collective, like the original's: every rank copies its
+        layer). Copied, the launcher
         would have kept the original's address table, and the copy's kernels would have run
         in the original's workspace while the copy read its routing from its own."""
-        for name in self._HANDLES:
-            handle = getattr(self, name)
+        for handle in [getattr(self, name) for name in self._HANDLES] + [self._fused_options.get("workspace_pool")]:
             if handle is not None:
                 memo[id(handle)] = handle
         new = type(self).__new__(type(self))
@@ -198,7 +198,8 @@ class ExpertLayer(nn.Module):
             raise pickle.PicklingError(
                 f"this ExpertLayer holds a {', '.join(held)} (process-local handles): save its state_dict instead"
             )
-        return {**self.__dict__, "_fused": None}
+        options = {k: v for k, v in self._fused_options.items() if k != "workspace_pool"}
+        return {**self.__dict__, "_fused": None, "_fused_options": options}
 
     # ----------------------------------------------------------------------------------------
     # Presets for the two production layer shapes.

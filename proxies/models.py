@@ -7,7 +7,7 @@ from typing import Union
 
 import torch
 
-from kosmos_moe import DEEPSEEK_V3, QWEN3_235B, MoEConfig
+from kosmos_moe import DEEPSEEK_V3, QWEN3_235B, MoEConfig, share_workspaces
 
 from .common import MoERuntime, ProxyModel
 from .deepseek_v3 import DeepSeekV3Config, DeepSeekV3Proxy
@@ -64,8 +64,12 @@ def build_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
 ) -> ProxyModel:
-    """Build a proxy on ``device`` in ``dtype`` and initialise it from ``seed`` (see ``init_weights``)."""
+    """Build a proxy on ``device`` in ``dtype`` and initialise it from ``seed`` (see ``init_weights``).
+
+    Its fused MoE layers, which run one after another, share one workspace per direction
+    (:func:`kosmos_moe.share_workspaces`) instead of holding one each."""
     cls = {"deepseek_v3": DeepSeekV3Proxy, "qwen3": Qwen3Proxy}[config.family]
     model = cls(config, runtime, device=device, dtype=dtype)
     model.init_weights(seed)
+    share_workspaces(model)
     return model

@@ -322,15 +322,20 @@ def test_transformers4_modulelist_block():
 
 def _kosmos_cpu_body(rank, world):
     for kind in KINDS:
-        model = make_model(kind, hidden=32, layers=2, moe_intermediate_size=16, intermediate_size=48)
+        model = make_model(kind, hidden=32, layers=3, moe_intermediate_size=16, intermediate_size=48)
         ids = input_ids(1, 8)
         swapped, names = swapped_copy(model, backend="kosmos", max_tokens_per_rank=ids.numel())
-        assert names == ["model.layers.1.mlp"] and swapped.get_submodule(names[0]).backend == "kosmos"
+        assert names == ["model.layers.1.mlp", "model.layers.2.mlp"]
+        layers = [swapped.get_submodule(n) for n in names]
+        assert all(layer.backend == "kosmos" for layer in layers)
         with torch.no_grad():
             torch.testing.assert_close(swapped(ids).logits, model(ids).logits, atol=1e-5, rtol=1e-5)
         for m in (model, swapped):
             m(ids, labels=ids).loss.backward()
         assert_grads_match(model, swapped, names, atol=1e-5, rtol=1e-4)
+        # The swapped layers run one after another and share one workspace per direction.
+        assert len({id(layer.fused().workspace) for layer in layers}) == 1
+        assert len({id(layer.fused().backward.workspace) for layer in layers}) == 1
 
 
 def test_kosmos_backend_cpu_interpreter():

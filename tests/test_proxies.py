@@ -163,6 +163,9 @@ def check_kosmos_matches_reference(rank, world):
             loss, logits = loss_of(model, tokens)
             loss.backward()
             results[backend] = logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+            if backend == "kosmos":  # the model's layers share one workspace per direction
+                launchers = [m.fused() for m in model.moe_layers()]
+                assert len({id(f.workspace) for f in launchers}) == len({id(f.backward.workspace) for f in launchers}) == 1
         ref_logits, ref_grads = results["reference"]
         logits, grads = results["kosmos"]
         # fp32 on both sides; the kernel sums in other orders (see test_fused_backward_cpu.py).

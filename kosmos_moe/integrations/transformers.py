@@ -48,6 +48,7 @@ from torch import nn
 
 from ..distributed import ep_rank_and_world
 from ..layer import ExpertLayer
+from ..sharing import WorkspacePool, share_workspaces
 
 __all__ = [
     "SUPPORTED_BLOCKS",
@@ -443,7 +444,9 @@ def swap_moe_blocks(
     every rank must then run the model in step, as with any expert-parallel layer.
     ``backend='kosmos'`` needs ``max_tokens_per_rank`` (``batch * seq`` of the largest call).
     ``return_router_logits`` overrides the detected block contract; further keyword arguments go
-    to ``ExpertLayer`` (``compute_aux_loss``, ``workers_per_rank``, ``fabric``, ...).
+    to ``ExpertLayer`` (``compute_aux_loss``, ``workers_per_rank``, ``fabric``, ...). With the
+    fused backend the swapped layers share one workspace per direction
+    (:func:`kosmos_moe.share_workspaces`), since the model runs them one after another.
 
     Returns the names of the replaced modules. Raises ``ValueError`` if ``model`` has no
     supported MoE block, or if an EP world size does not divide a block's experts (checked for
@@ -472,12 +475,16 @@ def swap_moe_blocks(
             )
 
     swapped = []
+    # The swapped layers run one after another: with the fused backend they share one
+    # workspace per direction (kosmos_moe.sharing) unless the caller passed a pool of its own.
+    pool = (layer_kwargs.get("fused_options") or {}).get("workspace_pool") or WorkspacePool()
     for name, block in blocks:
         layer = build_expert_layer(
             block, backend=backend, group=group, max_tokens_per_rank=max_tokens_per_rank,
             return_router_logits=return_router_logits, keep_fp32_router=keep_fp32_router,
             model_config=model_config, name=name, **layer_kwargs,
         )
+        share_workspaces(layer, pool)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer)
