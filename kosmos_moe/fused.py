@@ -324,12 +324,19 @@ class _PersistentLaunch:
         """Build the workspace (collective over the fabric); call before CUDA graph capture."""
         if self.layout is not None:
             if dtype != self._dtype:
-                raise TypeError(f"the fused workspace was built for {self._dtype}, got {dtype}")
+                raise TypeError(
+                    f"the fused workspace was built for {self._dtype}, got {dtype}: a fused layer runs in one dtype "
+                    "(under torch.autocast an fp32 layer runs in autocast's dtype, so call it always or never "
+                    "under autocast, or keep it in that dtype)"
+                )
             return
         self._dtype = dtype
         self.layout = self._layout(dtype)
         if self.pool is not None:
             self.workspace = self.pool.workspace(self.fabric, self.layout, self.direction)
+            if self.workspace.failed is not None:  # another layer's call left it inconsistent
+                self.failed = self.workspace.failed
+                self._raise_failed()
         else:
             self.workspace = self.fabric.workspace(self.layout.nbytes)
         self._words = self.workspace.local[: 4 * self.layout.words["words"]].view(torch.int32)
@@ -603,7 +610,7 @@ class FusedForward(_PersistentLaunch):
         that raised before them would leave its peers blocked in a collective without a bound;
         after them its peers' kernels time out waiting for its launch and raise an error naming
         it. The layer then stays failed (:meth:`_mark_refused`)."""
-        dtype, device = layer.gate.weight.dtype, self.fabric.device
+        dtype, device = layer.experts.gate_up_proj.dtype, self.fabric.device  # the layer's dtype (the gate may be fp32)
         self.prepare(dtype)
         if device.type == "cuda":
             stand_in = torch.zeros(1, self.config.hidden_size, dtype=dtype, device=device)
@@ -672,6 +679,10 @@ class FusedForward(_PersistentLaunch):
         weights = [experts.gate_up_proj, experts.down_proj]
         if shared_mlp is not None:
             weights += [shared_mlp.gate_proj.weight, shared_mlp.up_proj.weight, shared_mlp.down_proj.weight]
+        if not all(isinstance(w, nn.Parameter) for w in weights):
+            # Per-call casts (an fp32 layer under autocast): a cached descriptor would keep the
+            # call's copy of the weights alive until the next call, and never match again.
+            return weight_descriptors(experts, shared_mlp, self.tiles)
         key = tuple((w.data_ptr(), w.dtype, w.shape, w.stride()) for w in weights)
         if self._descriptors is None or self._descriptors[0] != key:
             self._descriptors = (key, weight_descriptors(experts, shared_mlp, self.tiles))

@@ -184,9 +184,17 @@ class ExpertLayer(nn.Module):
                 memo[id(handle)] = handle
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        state = {k: v for k, v in self.__dict__.items() if k != "_fused"}
+        # aux_loss: the last call's, part of that call's graph (a non-leaf cannot be copied).
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_fused", "aux_loss")}
         new.__dict__.update(copy.deepcopy(state, memo))
         new._fused = None
+        new.aux_loss = None
+        return new
+
+    def __copy__(self) -> "ExpertLayer":
+        """A shallow copy, as for any module: the same parameters, buffers, handles and launcher."""
+        new = type(self).__new__(type(self))
+        new.__dict__.update(self.__dict__)
         return new
 
     def __getstate__(self) -> dict:
@@ -198,8 +206,9 @@ class ExpertLayer(nn.Module):
             raise pickle.PicklingError(
                 f"this ExpertLayer holds a {', '.join(held)} (process-local handles): save its state_dict instead"
             )
-        options = {k: v for k, v in self._fused_options.items() if k != "workspace_pool"}
-        return {**self.__dict__, "_fused": None, "_fused_options": options}
+        # A workspace pool pickles empty (WorkspacePool.__getstate__): the layers of one pickled
+        # model still share one after loading.
+        return {**self.__dict__, "_fused": None, "aux_loss": None}
 
     # ----------------------------------------------------------------------------------------
     # Presets for the two production layer shapes.
@@ -280,13 +289,18 @@ class ExpertLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         compute = self._autocast_dtype(hidden_states)
-        if compute is not None:
-            # What autocast does for nn.Linear, for the whole layer: it runs as its copy in
-            # autocast's dtype would, with the gradients going to its fp32 parameters through
-            # the casts (made anew at every call). The router keeps its fp32 weight, as
-            # DeepSeek-V3's checkpoints keep it beside bf16 experts.
-            params = {name: p if name == "gate.weight" else p.to(compute) for name, p in self.named_parameters()}
-            return torch.func.functional_call(self, params, (hidden_states.to(compute),))
+        if compute is None:
+            return self._checked_forward(hidden_states)
+        # What autocast does for nn.Linear, for the whole layer: it runs as its copy in
+        # autocast's dtype would, with the gradients going to its fp32 parameters through the
+        # casts (made anew at every call). The router keeps its fp32 weight, as DeepSeek-V3's
+        # checkpoints keep it beside bf16 experts. The parameters are swapped in place for the
+        # call, not through functional_call, which would run the module's hooks a second time.
+        params = {name: p if name == "gate.weight" else p.to(compute) for name, p in self.named_parameters()}
+        with torch.nn.utils.stateless._reparametrize_module(self, params):
+            return self._checked_forward(hidden_states.to(compute))
+
+    def _checked_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         try:
             self._check_input(hidden_states)
         except (TypeError, ValueError) as exc:
@@ -372,8 +386,9 @@ class ExpertLayer(nn.Module):
         if sharded:
             raise RuntimeError(
                 f"backend='kosmos' found {', '.join(sharded)} still sharded (DTensor) at the call: its kernels read "
-                "the parameters of the layer's gate, experts and shared experts without calling those modules, so "
-                "FSDP2 must wrap the ExpertLayer as a whole (fully_shard(layer)), not those submodules"
+                "the parameters of the layer's gate, experts and shared experts as plain local tensors, without "
+                "calling those modules. With FSDP2, wrap the ExpertLayer as a whole (fully_shard(layer)), not those "
+                "submodules; other DTensor shardings of them are not supported"
             )
 
     def _trains(self, tokens: torch.Tensor) -> bool:

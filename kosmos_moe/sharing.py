@@ -26,7 +26,8 @@ class WorkspacePool:
 
     Pass it to layers as ``fused_options={"workspace_pool": pool}``, or let
     :func:`share_workspaces` do so. A call that leaves a shared workspace inconsistent (a
-    timeout) fails every layer that uses it.
+    timeout) fails every layer that uses it, including layers that have not run yet: rebuild
+    them with a new pool.
     """
 
     def __init__(self) -> None:
@@ -40,6 +41,11 @@ class WorkspacePool:
 
     def __len__(self) -> int:
         return len(self._workspaces)
+
+    def __getstate__(self) -> dict:
+        # Pickled (with a model) or copied on its own, a pool comes back empty: workspaces are
+        # process-local, and the layers that shared it share the new one.
+        return {"_workspaces": {}}
 
     @property
     def nbytes(self) -> int:

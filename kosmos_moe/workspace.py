@@ -343,7 +343,8 @@ def workspace_bytes(
     """Bytes of one rank's fused workspaces, without allocating them: ``forward`` (every layer
     of ``backend="kosmos"``) and ``backward`` (allocated with the forward's when the layer's
     parameters require grad), at the GPU's default tiles. For planning memory: a layer holds
-    both for its lifetime."""
+    both for its lifetime, and the layers of a model that share them
+    (:func:`kosmos_moe.share_workspaces`) hold one pair per layout."""
     return {
         "forward": forward_layout(config, world, max_tokens, tiles, dtype).nbytes,
         "backward": backward_layout(config, world, max_tokens, backward_tiles, dtype).nbytes,

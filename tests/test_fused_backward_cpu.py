@@ -689,10 +689,15 @@ def check_deepcopy(rank, world, case):
     with pytest.raises(pickle.PicklingError, match=r"holds a group \(process-local handles\): save its state_dict"):
         torch.save(fused, io.BytesIO())
     # The reference backend in the same world: its copy shares the group too (a process group
-    # cannot be copied; deepcopy used to raise).
-    reference = ExpertLayer(**spec["shape"], group=dist.group.WORLD)
+    # cannot be copied; deepcopy used to raise), also after a training call with an auxiliary
+    # loss (part of that call's graph, not copied).
+    reference = ExpertLayer(**spec["shape"], group=dist.group.WORLD, compute_aux_loss=True)
     reference.load_state_dict(fused.state_dict())
-    assert torch.equal(copy.deepcopy(reference)(xs[rank]), reference(xs[rank]))
+    reference(xs[rank].clone().requires_grad_(True))
+    twin = copy.deepcopy(reference)
+    assert twin.aux_loss is None and torch.equal(twin(xs[rank]), reference(xs[rank]))
+    shallow = copy.copy(fused)  # as for any module: the same parameters and launcher
+    assert shallow.fused() is fused.fused() and torch.equal(shallow(xs[rank]), out)
 
 
 def test_deepcopy_of_a_fused_layer():
@@ -717,3 +722,22 @@ def test_pickle_of_a_fused_layer_without_a_group():
     """torch.save of a whole single-process fused layer (it used to fail on the workspace's
     views): the loaded layer rebuilds its workspace and computes the same."""
     run_world(1, check_pickle_round_trip, "softmax_shared", env=INTERPRET)
+
+
+def check_autocast_descriptors(rank, world):
+    """Weights by TMA (widths of 16-byte multiples in fp16): the descriptors of an fp16
+    layer's own weights are cached across calls; those of an fp32 layer's per-call casts under
+    autocast are not (a cached one kept the call's copy of the weights alive)."""
+    layers = [ExpertLayer(32, 16, 8, 2, backend="kosmos", max_tokens_per_rank=16, dtype=dtype)
+              for dtype in (torch.float16, torch.float32)]
+    x = torch.randn(9, 32)
+    with torch.no_grad():
+        layers[0](x.half())
+        with torch.autocast("cpu", dtype=torch.float16):
+            layers[1](x)
+    assert layers[0].fused()._descriptors is not None
+    assert layers[1].fused()._descriptors is None
+
+
+def test_autocast_casts_are_not_kept_by_descriptors():
+    run_world(1, check_autocast_descriptors, env=INTERPRET)

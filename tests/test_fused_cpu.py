@@ -138,13 +138,19 @@ def test_bad_calls_are_refused():
 def check_one_rank_refuses(rank, world, bad):
     from kosmos_moe.fused import ExpertLayerTimeout
 
-    layer = ExpertLayer(16, 16, 4, 2, backend="kosmos", group=dist.group.WORLD, max_tokens_per_rank=8)
+    # fp32_gate: fp16 experts beside an fp32 router weight; the refusing rank joins its peer's
+    # collectives in the experts' dtype (it once took the gate's, and raised a dtype error).
+    dtype = torch.float16 if bad == "fp32_gate" else torch.float32
+    layer = ExpertLayer(16, 16, 4, 2, backend="kosmos", group=dist.group.WORLD, max_tokens_per_rank=8, dtype=dtype)
+    layer.gate.float()
     layer.fused().wait_bound = 30
     with torch.no_grad():
         if rank == 0:
             x, error, match = {
                 "tokens": (torch.randn(9, 16), ValueError,
                            "9 tokens on rank 0, but the layer was built for max_tokens_per_rank=8"),
+                "fp32_gate": (torch.randn(9, 16, dtype=dtype), ValueError,
+                              "9 tokens on rank 0, but the layer was built for max_tokens_per_rank=8"),
                 "hidden": (torch.randn(5, 12), ValueError, "last dimension hidden_size=16"),
                 "dtype": (torch.randn(5, 16, dtype=torch.float64), TypeError, "has dtype torch.float64"),
             }[bad]
@@ -152,13 +158,13 @@ def check_one_rank_refuses(rank, world, bad):
                 layer(x)
             # Its peer launched without it: this rank's layer is failed too, not reusable.
             with pytest.raises(ExpertLayerTimeout, match="rank 0 of 2 refused a forward call"):
-                layer(torch.randn(5, 16))
+                layer(torch.randn(5, 16, dtype=dtype))
         else:
             with pytest.raises(ExpertLayerTimeout, match="rank 1 of 2 .*count-exchange signal of rank 0"):
-                layer(torch.randn(5, 16))
+                layer(torch.randn(5, 16, dtype=dtype))
 
 
-@pytest.mark.parametrize("bad", ["tokens", "hidden", "dtype"])
+@pytest.mark.parametrize("bad", ["tokens", "hidden", "dtype", "fp32_gate"])
 def test_one_rank_refusing_its_first_call_fails_every_rank(bad):
     """A first call refused on one rank (more tokens than the bound, a wrong width or dtype):
     that rank still joins the workspace's collective, so its peer is not blocked there but

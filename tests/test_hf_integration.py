@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
-from kosmos_moe import ExpertLayer  # noqa: E402
+from kosmos_moe import ExpertLayer, WorkspacePool  # noqa: E402
 from kosmos_moe.integrations.transformers import (  # noqa: E402
     TransformersExpertLayer,
     find_moe_blocks,
@@ -324,7 +324,9 @@ def _kosmos_cpu_body(rank, world):
     for kind in KINDS:
         model = make_model(kind, hidden=32, layers=3, moe_intermediate_size=16, intermediate_size=48)
         ids = input_ids(1, 8)
-        swapped, names = swapped_copy(model, backend="kosmos", max_tokens_per_rank=ids.numel())
+        pool = WorkspacePool()  # the caller's own (empty, so falsy) pool is the one used
+        swapped, names = swapped_copy(model, backend="kosmos", max_tokens_per_rank=ids.numel(),
+                                      fused_options={"workspace_pool": pool})
         assert names == ["model.layers.1.mlp", "model.layers.2.mlp"]
         layers = [swapped.get_submodule(n) for n in names]
         assert all(layer.backend == "kosmos" for layer in layers)
@@ -334,8 +336,10 @@ def _kosmos_cpu_body(rank, world):
             m(ids, labels=ids).loss.backward()
         assert_grads_match(model, swapped, names, atol=1e-5, rtol=1e-4)
         # The swapped layers run one after another and share one workspace per direction.
-        assert len({id(layer.fused().workspace) for layer in layers}) == 1
-        assert len({id(layer.fused().backward.workspace) for layer in layers}) == 1
+        forward = {id(layer.fused().workspace) for layer in layers}
+        backward = {id(layer.fused().backward.workspace) for layer in layers}
+        assert len(forward) == len(backward) == 1 and len(pool) == 2
+        assert forward | backward == {id(w) for w in pool._workspaces.values()}
 
 
 def test_kosmos_backend_cpu_interpreter():

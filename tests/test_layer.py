@@ -289,6 +289,19 @@ def test_fp32_layer_under_autocast_runs_as_its_bf16_copy(input_dtype):
         assert torch.equal(p.grad.to(q.dtype), q.grad), name
 
 
+def test_autocast_runs_the_layer_hooks_once():
+    """The fp32 layer's autocast path swaps its parameters for the call instead of calling the
+    module again: its hooks (FSDP2's, a user's) run once per call."""
+    layer = ExpertLayer(48, 40, 6, 2)
+    calls = []
+    layer.register_forward_pre_hook(lambda m, args: calls.append("pre"))
+    layer.register_forward_hook(lambda m, args, out: calls.append("post"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(5, 48))
+    assert calls == ["pre", "post"] and out.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in layer.parameters())  # swapped back after the call
+
+
 def test_fp32_router_beside_lower_precision_experts():
     """A gate kept in fp32 beside bf16 experts (as DeepSeek-V3 checkpoints keep it) takes
     inputs in the experts' dtype; a gate in a third dtype is refused."""

@@ -41,6 +41,8 @@ def check_shared_equals_separate(rank, world):
     for kind, a, b in zip(("outputs", "input gradients", "parameter gradients"), *results):
         assert all(torch.equal(p, q) for p, q in zip(a, b)), f"rank {rank}: {kind} differ"
     layers = list(shared)
+    assert all(layer.fused().workspace is not None and layer.fused().backward.workspace is not None
+               for layer in layers)
     assert len(pool) == 2, f"rank {rank}: {len(pool)} workspaces for one layout in two directions"
     assert len({id(layer.fused().workspace) for layer in layers}) == 1
     assert len({id(layer.fused().backward.workspace) for layer in layers}) == 1
@@ -57,10 +59,10 @@ def test_shared_workspaces_compute_what_separate_ones_do(world):
 def check_failure_reaches_every_sharer(rank, world):
     from kosmos_moe import ExpertLayerTimeout, share_workspaces
 
-    m = model(world, max_tokens=8)
+    m = model(world, layers=4, max_tokens=8)
     share_workspaces(m)
     with torch.no_grad():
-        m(torch.randn(5, SHAPE["hidden_size"]))  # every layer has run once
+        m[:3](torch.randn(5, SHAPE["hidden_size"]))  # layers 0-2 have run once; layer 3 has not
         for layer in m:
             layer.fused().wait_bound = 30
         if rank == 0:
@@ -72,7 +74,7 @@ def check_failure_reaches_every_sharer(rank, world):
         # The shared forward workspace is inconsistent now: the other layers refuse too, with
         # the error that broke it (rank 0's own layers never failed a call).
         match = "rank 0 of 2 refused a forward call" if rank == 0 else "rank 1 of 2 .*timed out"
-        for i in (0, 2):
+        for i in (0, 2, 3):  # layer 3 gets the failed workspace at its first call, and refuses
             with pytest.raises(ExpertLayerTimeout, match=match):
                 m[i](torch.randn(5, SHAPE["hidden_size"]))
 
@@ -92,3 +94,28 @@ def check_sharing_late(rank, world):
 
 def test_sharing_after_the_first_call_is_refused():
     run_world(1, check_sharing_late, env=INTERPRET)
+
+
+def check_pickled_model_keeps_sharing(rank, world):
+    import io
+
+    from kosmos_moe import share_workspaces
+
+    m = model(world, layers=2)
+    pool = share_workspaces(m)
+    x = torch.randn(6, SHAPE["hidden_size"])
+    out = m(x)
+    assert len(pool) == 2  # forward and backward: the layers can train
+    buffer = io.BytesIO()
+    torch.save(m, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    pools = {id(layer._fused_options["workspace_pool"]) for layer in loaded}
+    assert len(pools) == 1 and len(loaded[0]._fused_options["workspace_pool"]) == 0  # one pool, empty
+    assert torch.equal(loaded(x), out)
+    assert len(loaded[0]._fused_options["workspace_pool"]) == 2 and len(pool) == 2
+
+
+def test_a_pickled_model_still_shares_one_pool():
+    """torch.save of a whole model: the pool comes back empty and still shared by its layers."""
+    run_world(1, check_pickled_model_keeps_sharing, env=INTERPRET)

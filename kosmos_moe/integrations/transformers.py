@@ -477,7 +477,8 @@ def swap_moe_blocks(
     swapped = []
     # The swapped layers run one after another: with the fused backend they share one
     # workspace per direction (kosmos_moe.sharing) unless the caller passed a pool of its own.
-    pool = (layer_kwargs.get("fused_options") or {}).get("workspace_pool") or WorkspacePool()
+    pool = (layer_kwargs.get("fused_options") or {}).get("workspace_pool")
+    pool = pool if pool is not None else WorkspacePool()  # an empty pool is falsy (len 0)
     for name, block in blocks:
         layer = build_expert_layer(
             block, backend=backend, group=group, max_tokens_per_rank=max_tokens_per_rank,
