@@ -9,7 +9,8 @@
 # when OUT is unset, and the script goes on to the next stage when one fails, ending with the
 # first failure's status. Stages:
 #
-#   tests-backward   the backward and training GPU suites (emulated worlds of 1-8 ranks)
+#   tests-backward   the backward and training GPU suites (emulated worlds of 1-8 ranks), and
+#                    autocast, shared workspaces and torch.compile on one rank
 #   tests-forward    the forward, signals, exchange and distributed GPU suites
 #   forward          layer_forward.py on the four EP=1 cases (the forward table)
 #   backward         layer_backward.py --profile on the four cases (the forward+backward table)
@@ -28,7 +29,8 @@ mkdir -p "$out"
 
 run_stage() {
     case "$1" in
-        tests-backward) python -m pytest -q -x tests/test_fused_backward_gpu.py tests/test_training_gpu.py ;;
+        tests-backward) python -m pytest -q -x tests/test_fused_backward_gpu.py tests/test_training_gpu.py \
+                            tests/test_training_stack_gpu.py ;;
         tests-forward) python -m pytest -q -x tests/test_fused_gpu.py tests/test_route_tile_gpu.py tests/test_signals_gpu.py \
                            tests/test_exchange_gpu.py tests/test_distributed_gpu.py ;;
         forward) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
