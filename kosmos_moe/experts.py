@@ -105,9 +105,9 @@ def shared_experts_backward(
 
     ``gate_up`` ``[T, 2 I_s]`` is ``[x Wg^T | x Wu^T]`` as the forward computed it. The
     activation is recomputed elementwise; the GEMMs are ``dWd = G^T h``, ``dh = G Wd``,
-    ``dWg = dg^T x``, ``dWu = du^T x`` and ``dx += dg Wg + du Wu`` (added into ``dx`` in the
-    GEMMs' epilogue), each only if asked for. The elementwise steps are autograd's own for
-    :class:`SharedExperts`, in the activation dtype, so the gradients round as its do.
+    ``dWg = dg^T x``, ``dWu = du^T x`` and ``dx += dg Wg + du Wu``, each only if asked for.
+    The elementwise steps are autograd's own for :class:`SharedExperts`, in the activation
+    dtype, so the gradients round as its do.
     ``weights`` maps :class:`SharedExperts`' parameter names (``gate_proj.weight``, ...) to the
     tensors the forward used (saved by autograd: not the module's, which may have been swapped
     for the call, as under autocast). ``need`` maps the same names to whether their gradient is
@@ -130,6 +130,13 @@ def shared_experts_backward(
         if want_u:
             grads["up_proj.weight"] = du.t() @ x
         if need_x:
-            dx = torch.addmm(dx, dg, wg) if dx is not None else dg @ wg
-            dx = torch.addmm(dx, du, wu)
+            # Products then adds, as autograd does for the module (so the gradient rounds as
+            # its does), not addmm: in an emulated world (every rank on one GPU, one host
+            # thread) a cuBLAS kernel this process has not run yet, such as addmm's beta-add
+            # variant, held the host until the device's running kernels ended (H100, cuBLAS of
+            # torch 2.11), while the peers' persistent kernels waited for the next rank's launch.
+            # EmulatedWorld.rehearse runs the module's own products once per rank beforehand.
+            shared_dx = dg @ wg
+            shared_dx += du @ wu
+            dx = shared_dx if dx is None else dx.add_(shared_dx)
     return (dx if need_x else None), grads
