@@ -52,7 +52,7 @@ def test_e2e_smoke(tmp_path):
 
 
 GPU_ONLY = ["bench_dispatch_combine.py", "bench_layer.py", "bench_e2e.py", "gemm_tiles.py", "layer_forward.py",
-            "layer_backward.py", "world_liveness.py"]
+            "layer_backward.py", "world_liveness.py", "host_blocking.py"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on CPU-only machines, and a CUDA device is present")
