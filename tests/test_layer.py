@@ -371,8 +371,7 @@ def test_sizes_must_be_positive_ints(hidden):
 def test_shared_experts_backward_from_kept_projections(dtype, wanted):
     """The shared experts' backward from their kept projections (the fused backend's path)
     equals autograd's through their forward: the weight gradients bit for bit (the same ops
-    on the same projections), the input's to rounding (its two GEMMs are summed in one
-    epilogue here, added as two rounded tensors by autograd)."""
+    on the same projections), the input's to rounding (the order of its additions may differ)."""
     from kosmos_moe.experts import SharedExperts, shared_experts_backward
 
     torch.manual_seed(3)
@@ -402,6 +401,52 @@ def test_shared_experts_backward_from_kept_projections(dtype, wanted):
         torch.testing.assert_close(dx, dx_routed + xr.grad, **tol)
     else:
         assert dx is None
+
+
+@pytest.mark.parametrize("wanted", ["all", "input"])
+def test_shared_experts_backward_runs_only_products_the_module_runs(wanted):
+    """Every GEMM of the shared experts' backward is one that the module's own forward and
+    autograd backward run, with the same shapes, strides and dtype. In an emulated world a rank's
+    backward runs it while its peers' persistent kernels wait for the next rank's launch, and a
+    cuBLAS kernel the process has not run yet holds the host until those kernels end: an addmm
+    there stalled worlds of 2-8 ranks (kosmos_moe.fabric.EmulatedWorld). The world's rehearsal
+    runs the module at each rank's shapes, so only its products are safe there."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from kosmos_moe.experts import SharedExperts, shared_experts_backward
+
+    class Products(TorchDispatchMode):
+        NAMES = {"mm", "addmm", "bmm", "baddbmm", "addmv", "mv", "matmul", "_grouped_mm", "_scaled_mm"}
+
+        def __init__(self):
+            super().__init__()
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            name = func.overloadpacket.__name__
+            if name in self.NAMES:
+                operands = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+                                 for a in args)
+                self.seen.add((name, operands, tuple(sorted(kwargs.items()))))
+            return func(*args, **kwargs)
+
+    torch.manual_seed(5)
+    shared = SharedExperts(36, 20, dtype=torch.bfloat16)
+    x = torch.randn(13, 36, dtype=torch.bfloat16)
+    g = torch.randn(13, 36, dtype=torch.bfloat16)
+    need_x = wanted in ("all", "input")
+    for p in shared.parameters():
+        p.requires_grad_(wanted == "all")
+    with Products() as module_products:
+        shared(x.clone().requires_grad_(True)).backward(g)
+    with torch.no_grad():
+        gate_up = torch.cat([shared.gate_proj(x), shared.up_proj(x)], dim=-1)
+    with Products() as fused_products:
+        shared_experts_backward(dict(shared.named_parameters()), x, g, gate_up, torch.randn(13, 36, dtype=torch.bfloat16),
+                                need_x, {n: p.requires_grad for n, p in shared.named_parameters()})
+    assert fused_products.seen, "no product recorded: the probe itself is broken"
+    assert fused_products.seen <= module_products.seen, sorted(fused_products.seen - module_products.seen)
 
 
 def test_numpy_config_values_are_taken_as_python_ones():
