@@ -20,6 +20,8 @@
 #                    the backward variants not yet timed on the GPU
 #   variants-full    the same at 256 experts, for the variants meant for few rows per expert
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
+#   host-blocking    host_blocking.py (which host operations wait for running kernels), then the
+#                    backward tests that stalled with a shared expert in emulated worlds (stop 28)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -45,6 +47,10 @@ run_stage() {
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
                            --out "$out/variants_full.json" --variants default wgrad_tma_store wgrad_cols256 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
+        host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json" && python -m pytest -q \
+                           "tests/test_fused_backward_gpu.py::test_other_router_shared_combinations[softmax_shared]" \
+                           "tests/test_fused_backward_gpu.py::test_backward_matches_reference[sigmoid_group_shared-4]" \
+                           "tests/test_fused_backward_gpu.py::test_backward_matches_reference[sigmoid_group_shared-8]" ;;
         *) echo "unknown stage $1" >&2; return 2 ;;
     esac
 }

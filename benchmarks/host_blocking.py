@@ -26,13 +26,11 @@ import time
 
 from common import log, require_cuda
 
+import torch
+import triton
+import triton.language as tl
+
 from kosmos_moe.fabric import EmulatedWorld
-
-EmulatedWorld.set_environment()
-
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 
 @triton.jit
@@ -139,6 +137,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="the spinner's bound, about")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
+    EmulatedWorld.set_environment()  # before CUDA starts: the device query in require_cuda reads them
     require_cuda("host_blocking.py")
 
     a, b = torch.cuda.Stream(), torch.cuda.Stream()

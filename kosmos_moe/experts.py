@@ -136,7 +136,6 @@ def shared_experts_backward(
             # variant, held the host until the device's running kernels ended (H100, cuBLAS of
             # torch 2.11), while the peers' persistent kernels waited for the next rank's launch.
             # EmulatedWorld.rehearse runs the module's own products once per rank beforehand.
-            shared_dx = dg @ wg
-            shared_dx += du @ wu
-            dx = shared_dx if dx is None else dx.add_(shared_dx)
+            dx = dg @ wg if dx is None else dx.add_(dg @ wg)  # one [T, H] product alive at a time
+            dx.add_(du @ wu)
     return (dx if need_x else None), grads

@@ -90,14 +90,19 @@ def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
         "layer_backward.py": lambda m: {"--cases": m.CASES, "--variants": m.VARIANTS},
         "gemm_tiles.py": lambda m: {"--shapes": m.SHAPES, "--variants": m.VARIANTS,
                                     "--wgrad-variants": m.WGRAD_VARIANTS},
+        "host_blocking.py": lambda m: {},
     }
     text = (ROOT / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
-    commands = [shlex.split(c.split(";;")[0]) for c in re.findall(r"^\s+[\w-]+\)\s+(python .*?;;)", text, re.M)]
-    assert len(commands) == 8, commands
+    stages = re.findall(r"^\s+[\w-]+\)\s+(python .*?;;)", text, re.M)
+    assert len(stages) == 9, stages
+    commands = [shlex.split(part) for c in stages for part in c.split(";;")[0].split("&&")]
     for words in commands:
         if words[1:3] == ["-m", "pytest"]:
-            files = [w for w in words if w.startswith("tests/")]
-            assert files and all((ROOT / f).is_file() for f in files), words
+            tests = [w for w in words if w.startswith("tests/")]
+            assert tests and all((ROOT / t.split("::")[0]).is_file() for t in tests), words
+            for t in (t for t in tests if "::" in t):  # a test node: its function exists in that file
+                path, name = t.split("::", 1)
+                assert f"def {name.split('[')[0]}(" in (ROOT / path).read_text(), t
             continue
         script = Path(words[1]).name
         allowed = choices[script](module(script[:-3]))
