@@ -66,10 +66,16 @@ class Operations:
             c = torch.randn(40 + k, 72, device="cuda", dtype=torch.bfloat16)
             torch.cuda.synchronize()
             self.pending[name] = (a, w, c)
+        if name == "addmm_new_variant":  # the plain product runs first, on the same stream: only addmm's kernel is new
+            a, w, _ = self.pending[name]
+            with torch.cuda.stream(self.b):
+                a @ w
+            torch.cuda.synchronize()
         if name == "gemm_seen_shape":
             a = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16)
             w = torch.randn(96, 72, device="cuda", dtype=torch.bfloat16)
-            a @ w
+            with torch.cuda.stream(self.b):
+                a @ w
             torch.cuda.synchronize()
             self.pending[name] = (a, w)
         if name == "triton_new_kernel":
@@ -162,10 +168,6 @@ def main() -> None:
     results = []
     for name in names:
         ops.prepare(name)
-        if name == "addmm_new_variant":  # the plain product at this shape runs first: only addmm's kernel is new
-            x, w, _ = ops.pending[name]
-            x @ w
-            torch.cuda.synchronize()
         flag.zero_()
         polls.zero_()
         torch.cuda.synchronize()

@@ -117,11 +117,12 @@ class EmulatedWorld:
     the same model without the fused backend, under its rank's stream (:meth:`rehearse`).
     That matters most for cuBLAS: with eager loading, a GEMM of a shape the process had not
     run held the host until the running kernels ended, where a device or pinned allocation, a
-    memset or a new stream did not (H100, torch 2.11, ``benchmarks/host_blocking.py``). So a rank's step must run, between its launches, only
-    the GEMMs the rehearsal ran at its shapes: the shared experts' backward uses the module's
-    own products (kosmos_moe.experts.shared_experts_backward). Its ``addmm`` stalled worlds
-    of 2 to 8 with a shared expert at stop 28: the autograd thread sat in it for the whole
-    wait bound while rank 0's forward waited for rank 1's launch.
+    memset or a new stream did not (H100, torch 2.11, ``benchmarks/host_blocking.py``). So
+    between its launches a rank's step must run only GEMMs the rehearsal ran at its shapes:
+    the shared experts' backward runs the module's own products
+    (kosmos_moe.experts.shared_experts_backward). Its ``addmm`` stalled worlds of 2 to 8
+    with a shared expert at stop 28: the autograd thread sat in it for the whole wait bound
+    while rank 0's forward waited for rank 1's launch.
 
     With both settings and a rehearsal, a world of 4 with a shared expert whose ranks each ran
     forward then backward stalled on the H200 in its second call (counts 0, 300, 1, 517) while
