@@ -115,9 +115,10 @@ class EmulatedWorld:
     Anything else a rank's step does the first time on the host (a cuBLAS handle, a first
     allocation) is done before the first fused call by running each rank's batch once through
     the same model without the fused backend, under its rank's stream (:meth:`rehearse`).
-    That matters most for cuBLAS: with eager loading, a GEMM of a shape the process had not
-    run held the host until the running kernels ended, where a device or pinned allocation, a
-    memset or a new stream did not (H100, torch 2.11, ``benchmarks/host_blocking.py``). So
+    That matters most for cuBLAS: with eager loading, making two bf16 operands and multiplying
+    them at a shape the process had not run held the host until the running kernels ended,
+    where a device or pinned allocation, a memset or a new stream did not (H100, torch 2.11,
+    a first version of ``benchmarks/host_blocking.py``, which now times the product alone). So
     between its launches a rank's step must run only GEMMs the rehearsal ran at its shapes:
     the shared experts' backward runs the module's own products
     (kosmos_moe.experts.shared_experts_backward). Its ``addmm`` stalled worlds of 2 to 8
