@@ -1,7 +1,10 @@
 import logging
 import os
+import re
 import sys
 from pathlib import Path
+
+import pytest
 
 # The oracle and the multi-process helpers live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,3 +40,19 @@ def pytest_configure(config):
     if os.environ.get("KOSMOS_TRACE_LAUNCHES", "0") not in ("", "0"):
         logging.basicConfig(stream=sys.stderr, format="%(name)s %(message)s")
         logging.getLogger("kosmos_moe.fused").setLevel(logging.DEBUG)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    """``KOSMOS_SAMPLE_STACKS=DIR``: every thread's stack during each test, sampled, with the
+    fused launches, one file per test in DIR (tests/stack_sampler.py): where the host was held
+    while a stalled world's kernels waited."""
+    directory = os.environ.get("KOSMOS_SAMPLE_STACKS")
+    if not directory:
+        yield
+        return
+    from stack_sampler import StackSampler
+
+    with StackSampler() as sampler:
+        yield
+    sampler.write(Path(directory) / (re.sub(r"[^\w.-]+", "_", item.nodeid) + ".txt"))
