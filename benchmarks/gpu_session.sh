@@ -47,11 +47,12 @@ run_stage() {
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
                            --out "$out/variants_full.json" --variants default wgrad_tma_store wgrad_cols256 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
-        host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json" && \
+        host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json"; first=$?; \
                            KOSMOS_SAMPLE_STACKS="$out/stacks" python -m pytest -q \
                            "tests/test_fused_backward_gpu.py::test_other_router_shared_combinations[softmax_shared]" \
                            "tests/test_fused_backward_gpu.py::test_backward_matches_reference[sigmoid_group_shared-4]" \
-                           "tests/test_fused_backward_gpu.py::test_backward_matches_reference[sigmoid_group_shared-8]" ;;
+                           "tests/test_fused_backward_gpu.py::test_backward_matches_reference[sigmoid_group_shared-8]" \
+                           && return $first ;;
         *) echo "unknown stage $1" >&2; return 2 ;;
     esac
 }

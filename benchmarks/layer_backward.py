@@ -199,7 +199,8 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default", tra
     t0 = time.time()
     for layer in layers:
         layer.fused().prepare(torch.bfloat16)
-    if ranks > 1:  # every GEMM a rank runs between its launches, run once first (EmulatedWorld's docs)
+    if ranks > 1:
+        # Every GEMM the host runs while a rank's kernel waits for a peer must have run once (EmulatedWorld).
         world.rehearse(full, [x.detach() for x in xs], gs)
     fused_step()
     torch.cuda.synchronize()

@@ -111,7 +111,8 @@ def shared_experts_backward(
     ``weights`` maps :class:`SharedExperts`' parameter names (``gate_proj.weight``, ...) to the
     tensors the forward used (saved by autograd: not the module's, which may have been swapped
     for the call, as under autocast). ``need`` maps the same names to whether their gradient is
-    wanted. Returns ``dx`` (``None`` unless ``need_x``) and those gradients by name.
+    wanted. Returns ``dx`` (``None`` unless ``need_x``; a given ``dx`` is added into in place
+    and returned) and those gradients by name.
     """
     wg, wu, wd = (weights[f"{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj"))
     want_g, want_u, want_d = (need.get(f"{p}.weight", False) for p in ("gate_proj", "up_proj", "down_proj"))
@@ -130,12 +131,13 @@ def shared_experts_backward(
         if want_u:
             grads["up_proj.weight"] = du.t() @ x
         if need_x:
-            # Products then adds, as autograd does for the module (so the gradient rounds as
-            # its does), not addmm: in an emulated world (every rank on one GPU, one host
-            # thread) a cuBLAS kernel this process has not run yet, such as addmm's beta-add
-            # variant, held the host until the device's running kernels ended (H100, cuBLAS of
-            # torch 2.11), while the peers' persistent kernels waited for the next rank's launch.
-            # EmulatedWorld.rehearse runs the module's own products once per rank beforehand.
+            # Products then adds, as autograd does for the module (the products round as its
+            # do; the additions' order differs), not addmm: in an emulated world (every rank on
+            # one GPU, one host thread) a cuBLAS kernel this process has not run yet, such as
+            # addmm's beta-add variant, held the host until the device's running kernels ended
+            # (H100, cuBLAS of torch 2.11), while the peers' persistent kernels waited for the
+            # next rank's launch. EmulatedWorld.rehearse runs the module's own products once
+            # per rank beforehand (tests/test_layer.py checks that these are among them).
             dx = dg @ wg if dx is None else dx.add_(dg @ wg)  # one [T, H] product alive at a time
             dx.add_(du @ wu)
     return (dx if need_x else None), grads

@@ -117,10 +117,11 @@ class EmulatedWorld:
     the same model without the fused backend, under its rank's stream (:meth:`rehearse`).
     That matters most for cuBLAS: with eager loading, making two bf16 operands and multiplying
     them at a shape the process had not run held the host until the running kernels ended,
-    where a device or pinned allocation, a memset or a new stream did not (H100, torch 2.11,
-    a first version of ``benchmarks/host_blocking.py``, which now times the product alone). So
-    between its launches a rank's step must run only GEMMs the rehearsal ran at its shapes:
-    the shared experts' backward runs the module's own products
+    where a device or pinned allocation or a zero fill did not (H100, torch 2.11, a first
+    version of ``benchmarks/host_blocking.py``, which now times the product alone). So while
+    any rank's kernel waits for a launch still to come (from the first rank's forward launch
+    to the last rank's last launch), the host may run only GEMMs the rehearsal ran at those
+    shapes: the shared experts' backward runs the module's own products
     (kosmos_moe.experts.shared_experts_backward). Its ``addmm`` stalled worlds of 2 to 8
     with a shared expert at stop 28: the autograd thread sat in it for the whole wait bound
     while rank 0's forward waited for rank 1's launch.
@@ -131,8 +132,9 @@ class EmulatedWorld:
     started after its peers' wait bound, at 33 and 30 workers per rank (it finished at 24 and
     16). With those GEMMs inside the forward launch and after the backward launch
     (FusedExpertsFunction), the same world finished at 33 workers per rank, a world of 8 at 16
-    (world_liveness ``recommended``), and the backward and training GPU suites pass. The
-    default stays all SMs shared by the ranks.
+    (world_liveness ``recommended``), and the backward and training GPU suites passed (H200,
+    stop 23; the H100 timeouts of stop 28 were the ``addmm`` above). The default stays all SMs
+    shared by the ranks.
     """
 
     #: What CUDA must be started with for an emulated world (see the class docs).

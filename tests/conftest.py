@@ -1,6 +1,5 @@
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -51,8 +50,7 @@ def pytest_runtest_call(item):
     if not directory:
         yield
         return
-    from stack_sampler import StackSampler
+    from stack_sampler import StackSampler, sample_file
 
-    with StackSampler() as sampler:
+    with StackSampler(sample_file(directory, item.nodeid)):
         yield
-    sampler.write(Path(directory) / (re.sub(r"[^\w.-]+", "_", item.nodeid) + ".txt"))

@@ -7,12 +7,15 @@ host was meanwhile. That is how the stall of stops 16-28 was traced to one cuBLA
 (kosmos_moe.fabric.EmulatedWorld). ``KOSMOS_SAMPLE_STACKS=DIR`` turns it on for a pytest run
 (tests/conftest.py): one file per test in DIR, each line a time in seconds since the test
 began, a thread and its innermost frames, written when a thread's stack changes, with the
-fused launches logged in between.
+fused launches logged in between (lines of different threads may be a sample period out of
+order).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import re
 import sys
 import threading
 import time
@@ -35,23 +38,33 @@ def _describe(frame) -> str:
 
 
 class StackSampler:
-    """Samples every other thread's stack until stopped; keeps a line per change."""
+    """Samples every other thread's stack until stopped, a line per change, written to ``path``
+    as it goes (flushed every second: a run killed by its time limit keeps what was sampled)."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w")
+        self._lock = threading.Lock()
         self.start = time.perf_counter()
-        self.lines: list[tuple[float, str, str]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stack-sampler", daemon=True)
         self._handler = logging.Handler(logging.DEBUG)
         self._handler.emit = self._log
 
+    def _line(self, t: float, who: str, what: str) -> None:
+        with self._lock:
+            self._file.write(f"{t:9.3f} [{who}] {what}\n")
+
     def _log(self, record: logging.LogRecord) -> None:
-        self.lines.append((time.perf_counter() - self.start, "log " + threading.current_thread().name,
-                           record.getMessage()))
+        try:
+            self._line(time.perf_counter() - self.start, "log " + threading.current_thread().name, record.getMessage())
+        except Exception:
+            self._handler.handleError(record)
 
     def _run(self) -> None:
         last: dict[int, str] = {}
         me = threading.get_ident()
+        flushed = time.perf_counter()
         while not self._stop.is_set():
             now = time.perf_counter() - self.start
             names = {t.ident: t.name for t in threading.enumerate()}
@@ -61,7 +74,11 @@ class StackSampler:
                 stack = _describe(frame)
                 if last.get(ident) != stack:
                     last[ident] = stack
-                    self.lines.append((now, names.get(ident, str(ident)), stack))
+                    self._line(now, names.get(ident, str(ident)), stack)
+            if time.perf_counter() - flushed > 1.0:
+                with self._lock:
+                    self._file.flush()
+                flushed = time.perf_counter()
             time.sleep(PERIOD_S)
 
     def __enter__(self) -> "StackSampler":
@@ -78,9 +95,12 @@ class StackSampler:
         launches = logging.getLogger("kosmos_moe.fused")
         launches.removeHandler(self._handler)
         launches.setLevel(self._level)
+        self._file.close()
 
-    def write(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w") as f:
-            for t, who, what in sorted(self.lines, key=lambda line: line[0]):
-                f.write(f"{t:9.3f} [{who}] {what}\n")
+
+def sample_file(directory: str, nodeid: str) -> Path:
+    """A file name per test: the node id made safe and cut short, and a hash of it (two ids
+    that read the same once made safe, or long ones, never share a file)."""
+    digest = hashlib.sha1(nodeid.encode()).hexdigest()[:10]
+    safe = re.sub(r"[^\w.-]+", "_", nodeid)[:120]
+    return Path(directory) / f"{safe}-{digest}.txt"
