@@ -366,24 +366,34 @@ def test_sizes_must_be_positive_ints(hidden):
         ExpertLayer(hidden, 40, 6, 2)
 
 
+SHARED_GRADIENTS = {"all": "gate up down", "weights": "gate up down", "input": "", "down_only": "down"}
+
+
+def shared_experts_case(wanted: str, dtype: torch.dtype, seed: int):
+    """``(shared, x, g, need_x)``: shared experts whose parameters require grad as ``wanted``
+    (a key of SHARED_GRADIENTS) says, 13 tokens and their output gradient."""
+    from kosmos_moe.experts import SharedExperts
+
+    torch.manual_seed(seed)
+    shared = SharedExperts(36, 20, dtype=dtype)
+    x = torch.randn(13, 36, dtype=dtype)
+    g = torch.randn(13, 36, dtype=dtype)
+    for name, p in shared.named_parameters():
+        p.requires_grad_(name.split("_")[0] in SHARED_GRADIENTS[wanted].split())
+    return shared, x, g, wanted in ("all", "input")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("wanted", ["all", "weights", "input", "down_only"])
+@pytest.mark.parametrize("wanted", list(SHARED_GRADIENTS))
 def test_shared_experts_backward_from_kept_projections(dtype, wanted):
     """The shared experts' backward from their kept projections (the fused backend's path)
     equals autograd's through their forward: the weight gradients bit for bit (the same ops
     on the same projections), the input's to rounding (the order of its additions may differ)."""
-    from kosmos_moe.experts import SharedExperts, shared_experts_backward
+    from kosmos_moe.experts import shared_experts_backward
 
-    torch.manual_seed(3)
-    shared = SharedExperts(36, 20, dtype=dtype)
-    x = torch.randn(13, 36, dtype=dtype)
-    g = torch.randn(13, 36, dtype=dtype)
+    shared, x, g, need_x = shared_experts_case(wanted, dtype, seed=3)
     dx_routed = torch.randn(13, 36, dtype=dtype)
-    need_x = wanted in ("all", "input")
-    wanted_params = {"all": "gate up down", "weights": "gate up down", "input": "", "down_only": "down"}[wanted]
     params = dict(gate=shared.gate_proj.weight, up=shared.up_proj.weight, down=shared.down_proj.weight)
-    for name, p in params.items():
-        p.requires_grad_(name in wanted_params.split())
 
     xr = x.clone().requires_grad_(need_x)
     shared(xr).backward(g)
@@ -403,7 +413,7 @@ def test_shared_experts_backward_from_kept_projections(dtype, wanted):
         assert dx is None
 
 
-@pytest.mark.parametrize("wanted", ["all", "input", "weights", "down_only"])
+@pytest.mark.parametrize("wanted", list(SHARED_GRADIENTS))
 def test_shared_experts_backward_runs_only_products_the_module_runs(wanted):
     """Every GEMM of the shared experts' backward is one that the module's own forward and
     autograd backward run, with the same shapes, strides and dtype. In an emulated world a rank's
@@ -416,7 +426,7 @@ def test_shared_experts_backward_runs_only_products_the_module_runs(wanted):
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from kosmos_moe.experts import SharedExperts, shared_experts_backward
+    from kosmos_moe.experts import shared_experts_backward
 
     class Products(TorchDispatchMode):
         # Every product op, in-place and fused forms included (addmm_, baddbmm, addmv, addr, dot, ...).
@@ -435,14 +445,7 @@ def test_shared_experts_backward_runs_only_products_the_module_runs(wanted):
                 self.seen.add((name, operands, tuple(sorted(kwargs.items()))))
             return func(*args, **kwargs)
 
-    torch.manual_seed(5)
-    shared = SharedExperts(36, 20, dtype=torch.bfloat16)
-    x = torch.randn(13, 36, dtype=torch.bfloat16)
-    g = torch.randn(13, 36, dtype=torch.bfloat16)
-    need_x = wanted in ("all", "input")
-    trained = {"all": "gate up down", "weights": "gate up down", "input": "", "down_only": "down"}[wanted].split()
-    for name, p in shared.named_parameters():
-        p.requires_grad_(name.split("_")[0] in trained)
+    shared, x, g, need_x = shared_experts_case(wanted, torch.bfloat16, seed=5)
     with Products() as module_products:
         shared(x.clone().requires_grad_(need_x)).backward(g)
     with torch.no_grad():
