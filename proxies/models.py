@@ -14,6 +14,7 @@ from .deepseek_v3 import DeepSeekV3Config, DeepSeekV3Proxy
 from .qwen3 import Qwen3Config, Qwen3Proxy
 
 ProxyConfig = Union[DeepSeekV3Config, Qwen3Config]
+_FAMILIES = {"deepseek_v3": DeepSeekV3Proxy, "qwen3": Qwen3Proxy}
 
 PRESETS: dict[str, ProxyConfig] = {
     # Real layer shapes; two layers by default (DeepSeek-V3: the dense first layer + one MoE layer).
@@ -68,8 +69,15 @@ def build_model(
 
     Its fused MoE layers, which run one after another, share one workspace per direction
     (:func:`kosmos_moe.share_workspaces`) instead of holding one each."""
-    cls = {"deepseek_v3": DeepSeekV3Proxy, "qwen3": Qwen3Proxy}[config.family]
-    model = cls(config, runtime, device=device, dtype=dtype)
+    model = _FAMILIES[config.family](config, runtime, device=device, dtype=dtype)
     model.init_weights(seed)
     share_workspaces(model)
     return model
+
+
+def build_skeleton(config: ProxyConfig, runtime: MoERuntime | None = None, *,
+                   dtype: torch.dtype | None = None) -> ProxyModel:
+    """The proxy's modules on the meta device: every parameter's shape and dtype (this rank's
+    experts only, under ``runtime``'s EP group), no memory and no initialisation. For sizing a
+    run before building it (:mod:`proxies.memory`)."""
+    return _FAMILIES[config.family](config, runtime, device=torch.device("meta"), dtype=dtype)

@@ -70,14 +70,21 @@ class MasterWeights:
             m.grad = None
 
 
-def build_adamw(masters: MasterWeights, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8):
-    """AdamW over the masters; matrices decay, vectors (norm weights) do not."""
-    decay = [m for m in masters.masters if m.dim() >= 2]
-    no_decay = [m for m in masters.masters if m.dim() < 2]
+def decay_split(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(decayed, not decayed), AdamW's two parameter groups in step order: matrices decay,
+    vectors (norm weights, the router's correction bias) do not."""
+    return [t for t in tensors if t.dim() >= 2], [t for t in tensors if t.dim() < 2]
+
+
+def build_adamw(masters: MasterWeights, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                foreach: bool | None = None):
+    """AdamW over the masters, grouped by :func:`decay_split`.
+
+    ``foreach=None`` is torch's default implementation: multi-tensor on the GPU, the per-tensor
+    loop on the CPU; both are deterministic, so a resumed run repeats the same updates."""
+    decay, no_decay = decay_split(masters.masters)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # torch's default implementation: multi-tensor (foreach) on the GPU, the per-tensor loop on
-    # the CPU; both are deterministic, so a resumed run repeats the same updates.
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=foreach)
 
 
 def lr_at(step: int, *, lr: float, warmup: int, total: int, schedule: str, min_lr_ratio: float) -> float:

@@ -41,7 +41,8 @@ from .checkpoint import latest_checkpoint, load_checkpoint, read_meta, save_chec
 from .common import MoERuntime
 from .data import ByteTokenizer, Loader, SyntheticTokens, TextFileTokens
 from .flops import active_params, flops_per_token, total_params
-from .models import PRESETS, get_config, build_model
+from .memory import shortfall, size, step_memory
+from .models import PRESETS, build_model, build_skeleton, get_config
 from .optim import MasterWeights, build_adamw, lr_at
 from .parallel import build_parallel, check_ep_size, clip_grad_norm, init_distributed, reduce_gradients
 from .plot import plot_loss
@@ -351,6 +352,12 @@ def main(argv: list[str] | None = None) -> dict:
         max_tokens_per_rank=tokens_per_rank,  # the bound fused backends size their buffers from
         compute_aux_loss=a.aux_loss_coef > 0,
     )
+    # Before building the model: a run whose state cannot fit would otherwise fail at its first
+    # optimizer step, after the build and the first step's compile.
+    need = step_memory(build_skeleton(config, runtime, dtype=dtype), multi_tensor=use_cuda)  # build_adamw's default
+    free = torch.cuda.mem_get_info(device)[0] if use_cuda else None
+    if free is not None and (why := shortfall(need, free, str(device))):
+        parser.error(why)
     # The weights draw from their own seeded generators (init_weights); the global generators
     # are seeded too, and saved in checkpoints, for anything stochastic a user adds.
     torch.manual_seed(a.seed)
@@ -376,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
         say(line)
     say(f"params: {_fmt_count(n_total)} total, {_fmt_count(n_active)} active per token (no embedding); "
         f"model FLOPs {_fmt_count(fpt)}/token = 6 x active + causal attention")
+    say(f"memory: the training state needs at least {need.describe()} per rank at the optimizer step"
+        + (f"; {size(free)} were free on {device} before the build" if free is not None else ""))
     say(f"data: {source.describe()}")
     say(f"MFU: per device against a peak of {peak:g} TFLOP/s"
         + (" (bf16 dense H100/H200; --peak-tflops to change)" if a.peak_tflops is None else " (--peak-tflops)")

@@ -114,6 +114,101 @@ def test_flops_count_active_experts_only():
     assert flops_per_token(model, seq) == 6 * expected_active + 3 * 2 * seq * 64 * 256 / 2
 
 
+def _peak_allocated_bytes(fn, trace_path) -> int:
+    """The peak of the CPU bytes that ``fn`` allocates and holds at once, from the profiler's
+    memory events. Frees of blocks made before ``fn`` lower nothing: the profiler records some of
+    them (the sizes of blocks it saw in an earlier session), which would hide new allocations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    prof.export_chrome_trace(str(trace_path))
+    events = [e["args"] for e in sorted(json.loads(Path(trace_path).read_text())["traceEvents"], key=lambda e: e["ts"])
+              if e.get("name") == "[memory]"]
+    assert events, "the profiler recorded no allocation"
+    made: dict[int, int] = {}
+    live = peak = 0
+    for e in events:
+        if e["Bytes"] > 0:
+            made[e["Addr"]] = e["Bytes"]
+            live += e["Bytes"]
+            peak = max(peak, live)
+        elif e["Addr"] in made:
+            live -= made.pop(e["Addr"])
+    return peak
+
+
+@pytest.mark.parametrize("multi_tensor", [True, False], ids=["multi_tensor", "per_tensor"])
+@pytest.mark.parametrize("preset", TINY)
+def test_step_memory_is_what_the_step_allocates(preset, multi_tensor, tmp_path):
+    """The floor that proxies.train checks before building a GPU run, against what moving the
+    gradients to the masters and torch's AdamW allocate at a steady-state step of a bf16 model:
+    the moments exist by then, the masters' fp32 gradients and the step's temporaries are new.
+    Both of torch's implementations run on the CPU here (the multi-tensor one is the GPU's)."""
+    from proxies.memory import step_memory
+    from proxies.models import build_skeleton
+    from proxies.optim import MasterWeights, build_adamw
+
+    cfg = get_config(preset)
+    model = build_model(cfg, MoERuntime("reference"), dtype=torch.bfloat16, seed=0)
+    need = step_memory(build_skeleton(cfg, MoERuntime("reference"), dtype=torch.bfloat16), multi_tensor)
+    params = list(model.parameters())
+    n = sum(p.numel() for p in params)
+    assert (need.weights, need.masters, need.gradients, need.moments) == (2 * n, 4 * n, 4 * n, 8 * n)
+    if multi_tensor:  # the decayed group (the matrices) is the larger
+        assert need.step_temporary == 4 * sum(p.numel() for p in params if p.dim() >= 2)
+    else:
+        assert need.step_temporary == 2 * 4 * max(p.numel() for p in params)
+
+    masters = MasterWeights(model)
+    optimizer = build_adamw(masters, lr=1e-3, weight_decay=0.1, foreach=multi_tensor)
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        masters.grads_to_master()
+        optimizer.step()
+
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    step()  # makes the moments
+    masters.copy_to_model()
+    masters.zero_grad()
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+    peak = _peak_allocated_bytes(step, tmp_path / "trace.json")
+    # Beyond the tensors: AdamW's step counters and scalars (measured: 12 B in all multi-tensor,
+    # 2,060 B per-tensor), against temporaries of 128 KiB and more here.
+    floor = need.gradients + need.step_temporary
+    assert floor <= peak <= floor + 4096
+
+
+def test_shortfall_names_the_floor_and_the_remedies():
+    from proxies.memory import GiB, shortfall, step_memory
+    from proxies.models import build_skeleton
+
+    cfg = get_config("deepseek_v3")  # real shapes, two layers, 256 experts: far beyond one GPU
+    need = step_memory(build_skeleton(cfg, MoERuntime("reference"), dtype=torch.bfloat16), multi_tensor=True)
+    assert shortfall(need, need.total, "cuda:0") is None
+    why = shortfall(need, 80 * GiB, "cuda:0")
+    assert why.startswith(f"the training state needs at least {need.total / GiB:.2f} GiB (weights ")
+    assert f"fp32 masters {need.masters / GiB:.2f} GiB" in why
+    assert "more than the 80.00 GiB free on cuda:0" in why
+    for remedy in ("--layers", "--num-experts", "--vocab-size", "--ep-size"):
+        assert remedy in why
+
+
+def test_skeleton_has_the_built_models_parameters():
+    from proxies.models import build_skeleton
+
+    for preset in TINY:
+        cfg = get_config(preset)
+        built = build_model(cfg, MoERuntime("reference"), dtype=torch.bfloat16, seed=0)
+        skeleton = build_skeleton(cfg, MoERuntime("reference"), dtype=torch.bfloat16)
+        shapes = {n: (p.shape, p.dtype) for n, p in built.named_parameters()}
+        assert shapes == {n: (p.shape, p.dtype) for n, p in skeleton.named_parameters()}
+        assert all(p.is_meta for p in skeleton.parameters())
+
+
 # ---------------------------------------------------------------------------------------------
 # Forward and backward
 
@@ -310,6 +405,28 @@ def test_bad_arguments(capsys, tmp_path, monkeypatch):
         MoERuntime("warp_drive")
     with pytest.raises(ValueError, match="needs max_tokens_per_rank"):
         MoERuntime("kosmos")
+
+
+def test_a_run_that_cannot_fit_the_gpu_is_refused_before_the_build(capsys, monkeypatch, tmp_path):
+    """The real DeepSeek-V3 shapes (two layers, 256 experts) on one 80 GiB GPU: refused with the
+    floor's parts named, before any weight is made. CUDA is stood in for; nothing reaches it."""
+    import proxies.train
+    from proxies.memory import step_memory
+    from proxies.models import build_skeleton
+
+    free = 80 << 30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, free))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(proxies.train, "build_model", no_build)
+    need = step_memory(build_skeleton(get_config("deepseek_v3"), dtype=torch.bfloat16), multi_tensor=True)
+    err = _error_of(capsys, ["--preset", "deepseek_v3", "--device", "cuda", "--no-progress", "--out", str(tmp_path)])
+    assert f"needs at least {need.describe()} per rank" in err
+    assert "more than the 80.00 GiB free on cuda:0" in err
 
 
 @pytest.mark.parametrize("argv, message", [

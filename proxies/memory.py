@@ -1,0 +1,90 @@
+"""The memory a training run holds per rank at its optimizer step, known before the model is built.
+
+The optimizer step is where the training state peaks (the activations are freed by then):
+
+- the weights, in the compute dtype;
+- fp32 masters where the weights are low precision (``proxies.optim.MasterWeights``);
+- fp32 gradients on the masters (``MasterWeights.grads_to_master``; the bf16 gradients are
+  freed one by one as they move, so the two never coexist whole);
+- AdamW's two fp32 moments, made at the first step and kept;
+- AdamW's temporaries: torch's multi-tensor implementation, its default on the GPU, makes
+  ``sqrt(second moment)`` for a whole parameter group at once and frees it before the next
+  group's update, so the largest group's temporary adds to everything above; the per-tensor
+  loop, its default on the CPU, holds two temporaries of one tensor at a time (the square root
+  and its quotient).
+
+Activations (freed before the step, but a peak of their own in the backward), the fused
+backends' workspaces, the CUDA context and allocator rounding come on top. So this is a floor:
+a run whose floor exceeds the device's free memory fails at its first optimizer step, after the
+model was built and its first step compiled, and the training script refuses it up front
+instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from .optim import decay_split
+
+GiB = 1 << 30
+_FP32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+    """Bytes one rank holds at its optimizer step, by what holds them (see the module's docs)."""
+
+    weights: int
+    masters: int
+    gradients: int
+    moments: int
+    step_temporary: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.masters + self.gradients + self.moments + self.step_temporary
+
+    def describe(self) -> str:
+        parts = [("weights", self.weights), ("fp32 masters", self.masters), ("fp32 gradients", self.gradients),
+                 ("AdamW moments", self.moments), ("the step's temporary", self.step_temporary)]
+        listed = ", ".join(f"{name} {size(b)}" for name, b in parts if b)
+        return f"{size(self.total)} ({listed})"
+
+
+def size(nbytes: int) -> str:
+    """``nbytes`` in GiB, or MiB below one GiB."""
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / (1 << 20):.2f} MiB"
+
+
+def step_memory(model: nn.Module, multi_tensor: bool) -> StepMemory:
+    """The floor of ``model``'s training state at the optimizer step, from its parameters' shapes
+    and dtypes alone: ``model`` may live on the meta device (:func:`proxies.models.build_skeleton`).
+    ``multi_tensor``: whether AdamW runs torch's multi-tensor implementation (the GPU's default)
+    or its per-tensor loop (the CPU's)."""
+    params = list(model.parameters())
+    elements = sum(p.numel() for p in params)
+    low_precision = sum(p.numel() for p in params if p.dtype != torch.float32)
+    if multi_tensor:
+        temporary = max((sum(p.numel() for p in group) for group in decay_split(params)), default=0)
+    else:
+        temporary = 2 * max((p.numel() for p in params), default=0)
+    return StepMemory(
+        weights=sum(p.numel() * p.element_size() for p in params),
+        masters=low_precision * _FP32,
+        gradients=elements * _FP32,
+        moments=2 * elements * _FP32,
+        step_temporary=temporary * _FP32,
+    )
+
+
+def shortfall(need: StepMemory, free_bytes: int, where: str) -> str | None:
+    """Why a run needing ``need`` cannot run in ``free_bytes``, or None if its floor fits."""
+    if need.total <= free_bytes:
+        return None
+    return (f"the training state needs at least {need.describe()} per rank at the optimizer step, "
+            f"more than the {size(free_bytes)} free on {where} (activations and workspaces come "
+            f"on top); use fewer --layers or --num-experts, a smaller --vocab-size, or split the experts "
+            f"over more GPUs with torchrun and --ep-size")
