@@ -115,16 +115,22 @@ class EmulatedWorld:
     Anything else a rank's step does the first time on the host (a cuBLAS handle, a first
     allocation) is done before the first fused call by running each rank's batch once through
     the same model without the fused backend, under its rank's stream (:meth:`rehearse`).
-    That matters most for cuBLAS: with eager loading, making two bf16 operands and multiplying
-    them at a shape the process had not run held the host until the running kernels ended,
-    where a device or pinned allocation or a zero fill did not (H100, torch 2.11, a first
-    version of ``benchmarks/host_blocking.py``, which now times the product alone). So while
-    any rank's kernel waits for a launch still to come (from the first rank's forward launch
-    to the last rank's last launch), the host may run only GEMMs the rehearsal ran at those
-    shapes: the shared experts' backward runs the module's own products
-    (kosmos_moe.experts.shared_experts_backward). Its ``addmm`` stalled worlds of 2 to 8
-    with a shared expert at stop 28: the autograd thread sat in it for the whole wait bound
-    while rank 0's forward waited for rank 1's launch.
+    That matters because loading GPU code waits for the running kernels, eager loading
+    included: on an H100 (torch 2.11, Triton 3.6, ``benchmarks/host_blocking.py`` under this
+    class's ENVIRONMENT, stop 30) each of
+    these held the host until a spinning kernel gave up, 3 s later: a bf16 GEMM at a shape the
+    process had not run, ``addmm`` just after the plain product of its shapes had run (another
+    cuBLAS kernel, the beta-add one), the first launch of a Triton kernel compiled beforehand
+    (its module load) and ``torch.cuda.empty_cache`` (cudaFree). A GEMM at shapes run before,
+    device and pinned allocations, zero fills, an elementwise torch kernel (loaded when CUDA
+    started, eagerly) and a stream from torch's pool returned in under 2 ms. So while any rank's kernel waits for a launch still to come
+    (from the first rank's forward launch to the last rank's last launch), the host may run
+    only kernels the rehearsal ran, GEMMs at the same shapes: the shared experts' backward runs
+    the module's own products (kosmos_moe.experts.shared_experts_backward). Its ``addmm``
+    stalled worlds of 2 to 8 with a shared expert at stop 28: the autograd thread sat in it for
+    the whole wait bound while rank 0's forward waited for rank 1's launch. With the products,
+    the three tests that stalled and the whole backward GPU suite (22 tests, worlds of 1-8)
+    passed on an H100 at stop 30.
 
     With both settings and a rehearsal, a world of 4 with a shared expert whose ranks each ran
     forward then backward stalled on the H200 in its second call (counts 0, 300, 1, 517) while
