@@ -271,6 +271,36 @@ def test_grad_mode_without_trainable_saves_nothing():
     run_world(1, check_grad_mode_without_trainable, "softmax_shared", env=INTERPRET)
 
 
+def check_rehearsal_covers_the_step(rank, world, items):
+    """Every product a rank's fused training step runs outside its kernels is one the emulated
+    world's rehearsal (the reference layer on the rank's tokens) ran at the same shapes."""
+    from kosmos_moe.fabric import EmulatedWorld
+    from product_ops import ProductOps
+
+    recorded = 0
+    for case, skew in items:
+        spec = ALL_CASES[case]
+        counts = spec["counts"][:world]
+        xs = tokens(counts, spec["shape"]["hidden_size"], seed=2, positive=skew != "none")
+        gs = cotangents(counts, spec["shape"]["hidden_size"], seed=2)
+        full, fused = build(world, case, skew, max_tokens=max(counts) + 3)
+        with ProductOps() as rehearsal:
+            EmulatedWorld(1, "cpu").rehearse(full, [xs[rank]], [gs[rank]])
+        with ProductOps() as step:
+            fused_pass(fused, xs[rank], gs[rank])
+        missing = sorted(step.seen - rehearsal.seen, key=str)
+        assert not missing, f"{case} world {world} rank {rank}: products the rehearsal did not run: {missing}"
+        recorded += len(step.seen)
+    assert recorded, "no product recorded on any fused step: the probe is broken"
+
+
+def test_rehearsal_covers_the_fused_step():
+    """In an emulated world on one GPU, the host may run only GEMMs the rehearsal ran while the
+    peers' kernels wait (kosmos_moe.fabric.EmulatedWorld): the shared experts' backward runs
+    between a rank's launches. Both routers, with and without shared experts, a world of 2."""
+    run_world(2, check_rehearsal_covers_the_step, [(case, "none") for case in CASES], env=INTERPRET)
+
+
 def check_gemm_operands(rank, world, items, tma):
     import dataclasses
 

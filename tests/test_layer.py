@@ -420,37 +420,16 @@ def test_shared_experts_backward_runs_only_products_the_module_runs(wanted):
     backward runs it while its peers' persistent kernels wait for the next rank's launch, and a
     cuBLAS kernel the process has not run yet holds the host until those kernels end: an addmm
     there stalled worlds of 2-8 ranks (kosmos_moe.fabric.EmulatedWorld). The world's rehearsal
-    runs the module at each rank's shapes, so only its products are safe there. (Shapes, strides
-    and dtype are what this can see; cuBLAS also chooses by pointer alignment.)"""
-    import re
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+    runs the module at each rank's shapes, so only its products are safe there."""
     from kosmos_moe.experts import shared_experts_backward
-
-    class Products(TorchDispatchMode):
-        # Every product op, in-place and fused forms included (addmm_, baddbmm, addmv, addr, dot, ...).
-        PRODUCT = re.compile(r"mm|mv|dot|addr")
-
-        def __init__(self):
-            super().__init__()
-            self.seen = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            name = func.overloadpacket.__name__
-            if self.PRODUCT.search(name):
-                operands = tuple((tuple(a.shape), a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
-                                 for a in args)
-                self.seen.add((name, operands, tuple(sorted(kwargs.items()))))
-            return func(*args, **kwargs)
+    from product_ops import ProductOps
 
     shared, x, g, need_x = shared_experts_case(wanted, torch.bfloat16, seed=5)
-    with Products() as module_products:
+    with ProductOps() as module_products:
         shared(x.clone().requires_grad_(need_x)).backward(g)
     with torch.no_grad():
         gate_up = torch.cat([shared.gate_proj(x), shared.up_proj(x)], dim=-1)
-    with Products() as fused_products:
+    with ProductOps() as fused_products:
         shared_experts_backward(dict(shared.named_parameters()), x, g, gate_up, torch.randn(13, 36, dtype=torch.bfloat16),
                                 need_x, {n: p.requires_grad for n, p in shared.named_parameters()})
     assert fused_products.seen, "no product recorded: the probe itself is broken"
