@@ -13,12 +13,17 @@ backends must agree to bf16 rounding); and the kosmos/reference speedup.
 
 What fits on one H200 (141 GB), and hence the cases. The DeepSeek-V3 proxy (dense first layer,
 one MoE layer, MLA in both, vocab 129280) has 13.9 B parameters with all 256 experts, 11.3 B of
-them routed experts. A full training step keeps bf16 weights and gradients (4 B/param), fp32
-master weights and their gradients (8 B/param) and AdamW's two fp32 moments (8 B/param):
-20 B/param = 279 GB. That does not fit, so:
+them routed experts. A full training step keeps bf16 weights (2 B/param), fp32 master weights
+and their gradients (8 B/param), AdamW's two fp32 moments (8 B/param) and, for the step
+itself, multi-tensor AdamW's fp32 temporary of its larger parameter group (about 4 B/param):
+about 22 B/param, 307 GB (``proxies/memory.py``; the bf16 gradients are freed as they move to
+the masters). That does not fit, so:
 
 * ``dsv3_rank``: the full step (forward, backward, fp32-master AdamW, clipping, bias update)
-  with 32 experts, one EP8 rank's share: 4.1 B parameters, ~82 GB of state plus activations.
+  with 32 experts, one EP8 rank's share: 4.1 B parameters, 89.7 GB of state at the optimizer
+  step: an H200 only (on an 80 GB H100 it ran out of memory in its first AdamW step, stop 30;
+  a case whose state exceeds the free memory is now reported as not fitting, before it is
+  built).
   At 4096 tokens and top-8 the 32 experts see 32768 rows, 1024 per expert on average, which
   is exactly the expert work of one EP8 rank whose 8 ranks each route 4096 tokens (the
   all-to-all itself is absent: one GPU). The router chooses top-8 among the 32 (8 groups of 4,
@@ -27,7 +32,7 @@ master weights and their gradients (8 B/param) and AdamW's two fp32 moments (8 B
   parameters, 56 GB of bf16 weights and gradients, plus activations. Expert weights are read
   at EP=1 from one GPU, which makes the MoE layer bound by weight bandwidth.
 * ``qwen3_rank`` (16 experts, EP8 share, full step: 2.0 B parameters) and ``qwen3_full``
-  (128 experts, 6.2 B parameters, 125 GB for a full step: forward + backward only) likewise.
+  (128 experts, 6.2 B parameters, 137 GB for a full step: forward + backward only) likewise.
 
 ``--smoke`` runs the same cases on the tiny presets (on the CPU without a GPU; the kosmos
 backend there needs ``TRITON_INTERPRET=1``): a check of this script, not a measurement.
@@ -57,6 +62,8 @@ import torch.nn.functional as F  # noqa: E402
 from proxies import MoERuntime, build_model, get_config  # noqa: E402
 from proxies.data import Loader, SyntheticTokens  # noqa: E402
 from proxies.flops import active_params, flops_per_token, total_params  # noqa: E402
+from proxies.memory import shortfall, step_memory  # noqa: E402
+from proxies.models import build_skeleton  # noqa: E402
 from proxies.optim import MasterWeights, build_adamw  # noqa: E402
 from proxies.parallel import Parallel, clip_grad_norm  # noqa: E402
 
@@ -67,6 +74,10 @@ CASES = {
     "dsv3_full": ("deepseek_v3", 256, False),
     "qwen3_full": ("qwen3_235b", 128, False),
 }
+
+
+class DoesNotFit(Exception):
+    """The case's training state exceeds the GPU's free memory (proxies/memory.py)."""
 
 
 def log(*args) -> None:
@@ -93,6 +104,11 @@ def run_backend(name: str, backend: str, args) -> dict:
     runtime = MoERuntime(backend=backend, max_tokens_per_rank=tokens)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+    if with_optimizer and cuda:  # a step that cannot fit is reported, not built (a minute of GPU time)
+        need = step_memory(build_skeleton(config, runtime, dtype=torch.bfloat16), multi_tensor=True)
+        why = shortfall(need, torch.cuda.mem_get_info(device)[0], str(device))
+        if why:
+            raise DoesNotFit(why)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = build_model(config, runtime, device=device, dtype=torch.bfloat16 if cuda else torch.float32, seed=0)
@@ -200,6 +216,9 @@ def main() -> None:
         for backend in args.backends:
             try:
                 case["backends"][backend] = run_backend(name, backend, args)
+            except DoesNotFit as e:
+                log(f"[{name}/{backend}] not run: {e}")
+                case["backends"][backend] = {"backend": backend, "error": "does not fit", "why": str(e)}
             except torch.cuda.OutOfMemoryError as e:
                 log(f"[{name}/{backend}] out of memory: {str(e).splitlines()[0]}")
                 case["backends"][backend] = {"backend": backend, "error": "out of memory"}

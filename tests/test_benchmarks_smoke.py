@@ -51,6 +51,27 @@ def test_e2e_smoke(tmp_path):
     assert json.loads(out.read_text())
 
 
+def test_e2e_reports_a_case_that_cannot_fit_before_building_it(monkeypatch):
+    """The DeepSeek-V3 rank case's full step (4.1 B parameters, 89.7 GB at the optimizer step) on
+    an 80 GiB GPU: refused with the floor named, before a weight is made. CUDA is stood in for."""
+    import argparse
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(bench, "build_model", no_build)
+    args = argparse.Namespace(layers=2, smoke=False, vocab_size=None, batch=1, seq_len=4096, device="cuda")
+    with pytest.raises(bench.DoesNotFit, match=r"needs at least 83\.54 GiB .* more than the 80\.00 GiB free on cuda"):
+        bench.run_backend("dsv3_rank", "reference", args)
+
+
 GPU_ONLY = ["bench_dispatch_combine.py", "bench_layer.py", "bench_e2e.py", "gemm_tiles.py", "layer_forward.py",
             "layer_backward.py", "world_liveness.py", "host_blocking.py"]
 
