@@ -117,13 +117,13 @@ class EmulatedWorld:
     the same model without the fused backend, under its rank's stream (:meth:`rehearse`).
     That matters because loading GPU code waits for the running kernels, eager loading
     included: on an H100 (torch 2.11, Triton 3.6, ``benchmarks/host_blocking.py`` under this
-    class's ENVIRONMENT, stop 30) each of
-    these held the host until a spinning kernel gave up, 3 s later: a bf16 GEMM at a shape the
-    process had not run, ``addmm`` just after the plain product of its shapes had run (another
-    cuBLAS kernel, the beta-add one), the first launch of a Triton kernel compiled beforehand
-    (its module load) and ``torch.cuda.empty_cache`` (cudaFree). A GEMM at shapes run before,
-    device and pinned allocations, zero fills, an elementwise torch kernel (loaded when CUDA
-    started, eagerly) and a stream from torch's pool returned in under 2 ms. So while any rank's kernel waits for a launch still to come
+    class's ENVIRONMENT, stop 30) each of these held the host until a spinning kernel gave up,
+    3 s later: a bf16 GEMM at a shape the process had not run, ``addmm`` just after the plain
+    product of its shapes had run (another cuBLAS kernel, the beta-add one), the first launch
+    of a Triton kernel compiled beforehand (its module load) and ``torch.cuda.empty_cache``
+    (cudaFree). A GEMM at shapes run before, device and pinned allocations, zero fills, an
+    elementwise torch kernel (loaded eagerly when CUDA started) and a stream from torch's pool
+    returned in under 2 ms. So while any rank's kernel waits for a launch still to come
     (from the first rank's forward launch to the last rank's last launch), the host may run
     only kernels the rehearsal ran, GEMMs at the same shapes: the shared experts' backward runs
     the module's own products (kosmos_moe.experts.shared_experts_backward). Its ``addmm``
