@@ -22,8 +22,8 @@ the masters). That does not fit, so:
 * ``dsv3_rank``: the full step (forward, backward, fp32-master AdamW, clipping, bias update)
   with 32 experts, one EP8 rank's share: 4.1 B parameters, 89.7 GB of state at the optimizer
   step: an H200 only (on an 80 GB H100 it ran out of memory in its first AdamW step, stop 30;
-  a case whose state exceeds the free memory is now reported as not fitting, before it is
-  built).
+  a case whose weights, gradients and optimizer state exceed the free memory is reported as
+  not fitting, before it is built).
   At 4096 tokens and top-8 the 32 experts see 32768 rows, 1024 per expert on average, which
   is exactly the expert work of one EP8 rank whose 8 ranks each route 4096 tokens (the
   all-to-all itself is absent: one GPU). The router chooses top-8 among the 32 (8 groups of 4,
@@ -62,7 +62,7 @@ import torch.nn.functional as F  # noqa: E402
 from proxies import MoERuntime, build_model, get_config  # noqa: E402
 from proxies.data import Loader, SyntheticTokens  # noqa: E402
 from proxies.flops import active_params, flops_per_token, total_params  # noqa: E402
-from proxies.memory import shortfall, step_memory  # noqa: E402
+from proxies.memory import backward_memory, shortfall, step_memory  # noqa: E402
 from proxies.models import build_skeleton  # noqa: E402
 from proxies.optim import MasterWeights, build_adamw  # noqa: E402
 from proxies.parallel import Parallel, clip_grad_norm  # noqa: E402
@@ -104,8 +104,9 @@ def run_backend(name: str, backend: str, args) -> dict:
     runtime = MoERuntime(backend=backend, max_tokens_per_rank=tokens)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    if with_optimizer and cuda:  # a step that cannot fit is reported, not built (a minute of GPU time)
-        need = step_memory(build_skeleton(config, runtime, dtype=torch.bfloat16), multi_tensor=True)
+    if cuda:  # a step that cannot fit is reported, not built (a minute of GPU time)
+        skeleton = build_skeleton(config, runtime, dtype=torch.bfloat16)
+        need = step_memory(skeleton, multi_tensor=True) if with_optimizer else backward_memory(skeleton)
         why = shortfall(need, torch.cuda.mem_get_info(device)[0], str(device))
         if why:
             raise DoesNotFit(why)

@@ -48,7 +48,8 @@ class StepMemory:
         return self.weights + self.masters + self.gradients + self.moments + self.step_temporary
 
     def describe(self) -> str:
-        parts = [("weights", self.weights), ("fp32 masters", self.masters), ("fp32 gradients", self.gradients),
+        grads = "fp32 gradients" if self.masters or self.moments else "gradients"
+        parts = [("weights", self.weights), ("fp32 masters", self.masters), (grads, self.gradients),
                  ("AdamW moments", self.moments), ("the step's temporary", self.step_temporary)]
         listed = ", ".join(f"{name} {size(b)}" for name, b in parts if b)
         return f"{size(self.total)} ({listed})"
@@ -80,11 +81,19 @@ def step_memory(model: nn.Module, multi_tensor: bool) -> StepMemory:
     )
 
 
+def backward_memory(model: nn.Module) -> StepMemory:
+    """The floor of a forward + backward without an optimizer step (the benchmarks' full-expert
+    cases): the weights and their gradients, both in the weights' dtype."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return StepMemory(weights=weights, masters=0, gradients=weights, moments=0, step_temporary=0)
+
+
 def shortfall(need: StepMemory, free_bytes: int, where: str) -> str | None:
     """Why a run needing ``need`` cannot run in ``free_bytes``, or None if its floor fits."""
     if need.total <= free_bytes:
         return None
-    return (f"the training state needs at least {need.describe()} per rank at the optimizer step, "
+    at = "at the optimizer step" if need.moments else "at the end of the backward"
+    return (f"the training state needs at least {need.describe()} per rank {at}, "
             f"more than the {size(free_bytes)} free on {where} (activations and workspaces come "
             f"on top); use fewer --layers or --num-experts, a smaller --vocab-size, or split the experts "
             f"over more GPUs with torchrun and --ep-size")

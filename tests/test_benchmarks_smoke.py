@@ -53,7 +53,8 @@ def test_e2e_smoke(tmp_path):
 
 def test_e2e_reports_a_case_that_cannot_fit_before_building_it(monkeypatch):
     """The DeepSeek-V3 rank case's full step (4.1 B parameters, 89.7 GB at the optimizer step) on
-    an 80 GiB GPU: refused with the floor named, before a weight is made. CUDA is stood in for."""
+    an 80 GiB GPU, and the 256-expert forward + backward on 40 GiB: refused with the floor named,
+    before a weight is made. CUDA is stood in for."""
     import argparse
     import importlib.util
 
@@ -61,15 +62,23 @@ def test_e2e_reports_a_case_that_cannot_fit_before_building_it(monkeypatch):
     spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 << 30, 80 << 30))
+    free = [80 << 30]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], free[0]))
 
     def no_build(*args, **kwargs):
         raise AssertionError("the model was built")
 
     monkeypatch.setattr(bench, "build_model", no_build)
     args = argparse.Namespace(layers=2, smoke=False, vocab_size=None, batch=1, seq_len=4096, device="cuda")
-    with pytest.raises(bench.DoesNotFit, match=r"needs at least 83\.54 GiB .* more than the 80\.00 GiB free on cuda"):
+    with pytest.raises(bench.DoesNotFit, match=r"needs at least 83\.54 GiB .* at the optimizer step, "
+                                                r"more than the 80\.00 GiB free on cuda"):
         bench.run_backend("dsv3_rank", "reference", args)
+    # Without an optimizer step: 13.9 B bf16 parameters and their gradients, 51.9 GiB.
+    free[0] = 40 << 30
+    with pytest.raises(bench.DoesNotFit, match=r"needs at least 51\.9\d GiB \(weights 25\.9\d GiB, gradients "
+                                                r"25\.9\d GiB\) per rank at the end of the backward, more than the "
+                                                r"40\.00 GiB"):
+        bench.run_backend("dsv3_full", "reference", args)
 
 
 GPU_ONLY = ["bench_dispatch_combine.py", "bench_layer.py", "bench_e2e.py", "gemm_tiles.py", "layer_forward.py",
