@@ -66,22 +66,12 @@ class Operations:
             torch.cuda.synchronize()
             self.pending[name] = (a, w)
         if name == "addmm_new_variant":  # the plain product runs first, on the same stream: only addmm's kernel is new
-            a = torch.randn(40 + k, 96, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(96, 72, device="cuda", dtype=torch.bfloat16)
+            a, w = self._product_run_once(40 + k)
             c = torch.randn(40 + k, 72, device="cuda", dtype=torch.bfloat16)
-            torch.cuda.synchronize()
-            with torch.cuda.stream(self.b):
-                a @ w
             torch.cuda.synchronize()
             self.pending[name] = (a, w, c)
         if name == "gemm_seen_shape":
-            a = torch.randn(64, 96, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(96, 72, device="cuda", dtype=torch.bfloat16)
-            torch.cuda.synchronize()
-            with torch.cuda.stream(self.b):
-                a @ w
-            torch.cuda.synchronize()
-            self.pending[name] = (a, w)
+            self.pending[name] = self._product_run_once(64)
         if name == "triton_new_kernel":
             path = os.path.join(self.tmp, f"fresh_{k}.py")
             with open(path, "w") as f:
@@ -94,6 +84,16 @@ class Operations:
             module.fresh.warmup(target, grid=(1,))  # compiled here; its module loads at the first launch
             torch.cuda.synchronize()
             self.pending[name] = (module.fresh, target)
+
+    def _product_run_once(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Operands of a ``[rows, 96] @ [96, 72]`` bf16 product, run once on stream B."""
+        a = torch.randn(rows, 96, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(96, 72, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self.b):
+            a @ w
+        torch.cuda.synchronize()
+        return a, w
 
     def op_nothing(self) -> None:
         pass

@@ -137,7 +137,8 @@ def shared_experts_backward(
             # addmm's beta-add variant, held the host until the device's running kernels ended
             # (H100, cuBLAS of torch 2.11), while the peers' persistent kernels waited for the
             # next rank's launch. EmulatedWorld.rehearse runs the module's own products once
-            # per rank beforehand (tests/test_layer.py checks that these are among them).
+            # per rank beforehand (tests/test_layer.py and tests/test_fused_backward_cpu.py
+            # check that these are among them).
             dx = dg @ wg if dx is None else dx.add_(dg @ wg)  # one [T, H] product alive at a time
             dx.add_(du @ wu)
     return (dx if need_x else None), grads

@@ -17,6 +17,17 @@ ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
 
 
+def benchmark_module(name: str, monkeypatch):
+    """benchmarks/<name>.py imported as a module (its main() not run)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the scripts import each other
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args]
     done = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout)
@@ -56,12 +67,8 @@ def test_e2e_reports_a_case_that_cannot_fit_before_building_it(monkeypatch):
     an 80 GiB GPU, and the 256-expert forward + backward on 40 GiB: refused with the floor named,
     before a weight is made. CUDA is stood in for."""
     import argparse
-    import importlib.util
 
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_module("bench_e2e", monkeypatch)
     free = [80 << 30]
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free[0], free[0]))
 
@@ -103,17 +110,8 @@ def test_gpu_only_script_refuses_without_cuda(script):
 def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
     """benchmarks/gpu_session.sh runs on GPU time that is scarce: a test file, case or variant it
     names that no longer exists would only fail there. Each of its commands is checked here."""
-    import importlib.util
     import re
     import shlex
-
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # the scripts import each other
-
-    def module(name):
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
 
     choices = {
         "layer_forward.py": lambda m: {"--cases": m.CASES, "--variants": m.TILE_VARIANTS},
@@ -141,7 +139,7 @@ def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
             nodes += [t for t in tests if "::" in t]
             continue
         script = Path(words[1]).name
-        allowed = choices[script](module(script[:-3]))
+        allowed = choices[script](benchmark_module(script[:-3], monkeypatch))
         option = None
         for w in words[2:]:
             if w.startswith("--"):
