@@ -15,7 +15,8 @@
 #   forward          layer_forward.py on the four EP=1 cases (the forward table)
 #   backward         layer_backward.py --profile on the four cases (the forward+backward table)
 #   variants-forward layer_forward.py on the four EP=1 cases, the default against the forward
-#                    variants not yet timed on the GPU (pipeline depths)
+#                    variants not yet timed on the GPU (two workers per SM), after the GPU
+#                    tests of those tiles
 #   variants         layer_backward.py --profile, DeepSeek-V3 32 experts, the default against
 #                    the backward variants not yet timed on the GPU
 #   variants-full    the same at 256 experts, for the variants meant for few rows per expert
@@ -39,8 +40,9 @@ run_stage() {
                      --out "$out/forward.json" ;;
         backward) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                       --profile --out "$out/backward.json" ;;
-        variants-forward) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                              --out "$out/variants_forward.json" --variants default stages4 down_stages4 all_stages4 ;;
+        variants-forward) python -m pytest -q tests/test_fused_gpu.py -k "two_workers_per_sm or residency" && \
+                          python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
+                              --out "$out/variants_forward.json" --variants default two_per_sm two_per_sm_rows64 ;;
         variants) python benchmarks/layer_backward.py --cases dsv3_rank --profile --out "$out/variants.json" \
                       --variants default shared_recompute wgrad_cols256 dx_cols256 router_grad64 router_depth32 \
                       wgrad_tma_store ;;

@@ -23,6 +23,8 @@ the GPU would build; nothing runs. What ``--check`` fails on:
   forward's gate/up loop was such a loop: its rows are a select between rows in place and
   received rows, which lost their 16-byte alignment (``Tiles.row_alignment_hint``).
 * Shared memory above 227 KB per block, which fails at launch, not at compile time.
+* Fewer blocks per SM (registers, shared memory and warps, by the driver's rules) than the
+  tiles' ``workers_per_sm``: the launcher would refuse the grid before its first launch.
 
     python benchmarks/kernel_resources.py                         # DeepSeek-V3 rank view
     python benchmarks/kernel_resources.py --case qwen3_full --backward-tiles dx_stages=3
@@ -72,6 +74,18 @@ CASES = {
     "qwen3_full": ("qwen3_235b", 128),
 }
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KB)
+SM90_SHARED_PER_SM = 233472  # 228 KB per SM, of which the driver reserves 1 KB per block
+SM90_REGISTERS_PER_SM = 65536
+SM90_WARPS_PER_SM = 64
+
+
+def sm90_blocks_per_sm(registers: int, shared: int, warps: int) -> int:
+    """Blocks resident per sm_90 SM at once (the driver's occupancy rules: registers are
+    allocated per warp in units of 256, shared memory per block plus 1 KB reserved)."""
+    warp_registers = -(-registers * 32 // 256) * 256
+    by_registers = SM90_REGISTERS_PER_SM // warp_registers // warps
+    by_shared = SM90_SHARED_PER_SM // (shared + 1024)
+    return min(by_registers, by_shared, SM90_WARPS_PER_SM // warps, 32)
 SERIALIZED = re.compile(r"\((C75\d\d)\).*wgmma.*serialized")
 
 
@@ -199,8 +213,11 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, 
         return int(m.group(1)) if m else 0
 
     warnings = [line.split("info    : ", 1)[-1] for line in text.splitlines() if re.search(r"\(C7\d\d\d\)", line)]
+    registers = number(r"Used (\d+) registers")
     return {
-        "registers": number(r"Used (\d+) registers"),
+        "registers": registers,
+        "warps": compiled.metadata.num_warps,
+        "blocks_per_sm": sm90_blocks_per_sm(registers, compiled.metadata.shared, compiled.metadata.num_warps),
         "spill_stores": number(r"(\d+) bytes spill stores"),
         "spill_loads": number(r"(\d+) bytes spill loads"),
         "shared_bytes": compiled.metadata.shared,
@@ -276,8 +293,10 @@ def wgmma_loops(ttgir: str) -> list[dict]:
     return loops
 
 
-def findings(report: dict) -> list[str]:
+def findings(report: dict, workers_per_sm: int = 1) -> list[str]:
     out = []
+    if report["blocks_per_sm"] < workers_per_sm:
+        out.append(f"{workers_per_sm} workers per SM asked, {report['blocks_per_sm']} fit (the launcher refuses it)")
     if report["wgmma_serialized"]:
         out.append(f"wgmma serialized ({', '.join(report['wgmma_serialized'])})")
     for loop in report["wgmma_loops"]:
@@ -302,22 +321,24 @@ def main() -> None:
                         help="expert-parallel world size (the case's experts are split among the ranks)")
     parser.add_argument("--check", action="store_true",
                         help="exit 1 on serialized wgmma, a 16-bit wgmma loop without a dot in flight, "
-                             "or shared memory over 227 KB")
+                             "shared memory over 227 KB, or fewer blocks per SM than workers_per_sm")
     parser.add_argument("--out", help="write the reports as JSON here")
     parser.add_argument("--dump", help="write each kernel's TTGIR and PTX into this directory")
     parser.add_argument("--spills", type=int, default=0, metavar="N",
                         help="also list the N source lines with the most spill instructions")
     args = parser.parse_args()
-    calls = kernel_calls(args.case, tile_overrides(args.tiles, GPU_TILES),
-                         tile_overrides(args.backward_tiles, GPU_BACKWARD_TILES), args.tokens, args.ranks)
+    tiles = {"forward": tile_overrides(args.tiles, GPU_TILES),
+             "backward": tile_overrides(args.backward_tiles, GPU_BACKWARD_TILES)}
+    calls = kernel_calls(args.case, tiles["forward"], tiles["backward"], args.tokens, args.ranks)
     reports, bad = {}, []
     for name in args.kernels:
         print(f"[{args.case}] compiling the {name} kernel for sm_90a", file=sys.stderr, flush=True)
         r = reports[name] = compile_sm90(*calls[name], dump=args.dump, spill_lines=args.spills)
-        found = findings(r)
+        found = findings(r, tiles[name].workers_per_sm)
         bad += [f"{name}: {f}" for f in found]
         print(f"{name:9} {r['registers']} registers, spills {r['spill_stores']} B stored / "
-              f"{r['spill_loads']} B loaded, shared {r['shared_bytes']} B" + "".join(f"\n  ptxas: {w}" for w in r["ptxas_warnings"]))
+              f"{r['spill_loads']} B loaded, shared {r['shared_bytes']} B, {r['warps']} warps: "
+              f"{r['blocks_per_sm']} per SM" + "".join(f"\n  ptxas: {w}" for w in r["ptxas_warnings"]))
         for loop in r["wgmma_loops"]:
             print(f"  wgmma loop {loop['source']}: {loop['dots']} {loop['dtype']} dots, "
                   f"{'one in flight' if loop['in_flight'] else 'each waited for'}, operand loads "

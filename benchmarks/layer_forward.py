@@ -56,6 +56,12 @@ TILE_VARIANTS = {
     # Four stages for every expert tile (196,640 B of shared memory offline): more weight
     # bytes in flight per worker where the weights' bandwidth bounds the layer (256 experts).
     "all_stages4": dataclasses.replace(GPU_TILES, stages=4, down_stages=4),
+    # Two workers of one warpgroup per SM (Tiles.workers_per_sm), each tile a warpgroup's:
+    # 128 x 128 tiles (gate/up as one dot of 64 + 64 columns) in 3 stages (98 KB of shared
+    # memory offline, so two fit), or 64 x 256 tiles in 2 stages (82 KB).
+    "two_per_sm": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, gate_up_cols=64, down_cols=128),
+    "two_per_sm_rows64": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, rows=64, stages=2,
+                                             down_stages=2),
 }
 
 

@@ -63,10 +63,16 @@ class DirectLauncher:
             name: p.default for name, p in signature.parameters.items() if p.default is not inspect.Parameter.empty}
         self.enabled = True
 
-    def __call__(self, grid: tuple[int, ...], args: tuple, constants: dict) -> None:
+    def __call__(self, grid: tuple[int, ...], args: tuple, constants: dict, check=None) -> None:
+        """Launch; ``check(compiled)`` runs before the first launch of each compiled kernel
+        (``kosmos_moe.residency.require_resident``) and may refuse it by raising."""
         key = self._key(grid, args, constants) if self.enabled else None
         compiled = self._compiled.get(key) if key is not None else None
         if compiled is None:
+            if check is not None:
+                compiled = self.kernel.run(*args, grid=grid, warmup=True, **constants)
+                compiled._init_handles()
+                check(compiled)
             compiled = self.kernel[grid](*args, **constants)
             if key is not None:
                 self._compiled[key] = compiled

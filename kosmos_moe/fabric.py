@@ -65,7 +65,7 @@ class Fabric:
     device: torch.device
     #: Scope of the signal atomics: "sys" when peers are other devices, else "gpu".
     signal_scope: str = "gpu"
-    #: How many ranks share this device; each gets at most SMs / ranks_per_device workers.
+    #: How many ranks share this device; each gets at most SMs x workers_per_sm / ranks_per_device workers.
     ranks_per_device: int = 1
 
     def workspace(self, nbytes: int) -> Workspace:
@@ -79,12 +79,14 @@ class Fabric:
     def barrier(self) -> None:
         """Wait for every rank of the world to get here; only ranks in separate processes wait."""
 
-    def max_workers(self) -> int:
-        """Workers per rank that are guaranteed resident together with every co-located rank."""
+    def max_workers(self, per_sm: int = 1) -> int:
+        """Workers per rank that can be resident together with every co-located rank, for a
+        kernel that fits ``per_sm`` programs per SM (checked against the compiled kernel by
+        ``kosmos_moe.residency.require_resident`` before its first launch)."""
         if self.device.type != "cuda":
             return 1
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return max(1, sms // self.ranks_per_device)
+        return max(1, sms * per_sm // self.ranks_per_device)
 
 
 class EmulatedWorld:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import logging
@@ -21,6 +22,7 @@ from .config import MoEConfig
 from .direct_launch import DirectLauncher
 from .experts import shared_experts_backward
 from .fabric import EmulatedFabric, EmulatedWorld, Fabric
+from .residency import require_resident
 from .sharing import WorkspacePool
 from .workspace import (
     GPU_BACKWARD_TILES, GPU_TILES, INTERPRETER_BACKWARD_TILES, INTERPRETER_TILES, BackwardTiles, Tiles,
@@ -227,8 +229,10 @@ def _load(compiled) -> None:
         compiled._init_handles()  # cuModuleLoad + cuModuleGetFunction now, not at first launch
 
 
-def _run(kernel, args, kwargs, grid, warmup: bool, what: str = "") -> None:
-    """Launch ``kernel``, or with ``warmup`` compile it and load its module without launching."""
+def _run(kernel, args, kwargs, grid, warmup: bool, what: str = "", check=None) -> None:
+    """Launch ``kernel``, or with ``warmup`` compile it and load its module without launching.
+
+    ``check(compiled)`` runs before the first launch of each compiled variant on the GPU."""
     if not warmup:
         if log.isEnabledFor(logging.DEBUG):
             stream = torch.cuda.current_stream().stream_id if torch.cuda.is_available() else 0
@@ -238,7 +242,7 @@ def _run(kernel, args, kwargs, grid, warmup: bool, what: str = "") -> None:
         else:
             if kernel not in _direct:
                 _direct[kernel] = DirectLauncher(kernel)
-            _direct[kernel](grid, args, kwargs)
+            _direct[kernel](grid, args, kwargs, check)
         return
     compiled = kernel.run(*args, grid=grid, warmup=True, **kwargs)
     if _compiling is not None:
@@ -292,7 +296,7 @@ class _PersistentLaunch:
                 "TRITON_INTERPRET=1 in the environment before importing kosmos_moe"
             )
         self.tiles = tiles
-        limit = fabric.max_workers()
+        limit = fabric.max_workers(tiles.workers_per_sm)
         if workers is not None and on_gpu and not 1 <= workers <= limit:
             raise ValueError(
                 f"workers_per_rank={workers} must be in [1, {limit}]: more workers than can be resident "
@@ -301,6 +305,10 @@ class _PersistentLaunch:
         if workers is not None and workers < 1:  # the interpreter runs any number, one after another
             raise ValueError(f"workers_per_rank must be at least 1, got {workers}")
         self.workers = workers or limit
+        # Every rank on this device runs the same grid: all of them must be resident at once.
+        self.residency_check = functools.partial(
+            require_resident, programs=self.workers * fabric.ranks_per_device,
+            what=f"{self.direction} kernel, rank {fabric.rank}") if on_gpu else None
         if wait_bound is not None and wait_bound < 1:
             raise ValueError(f"wait_bound must be a positive number of polls, got {wait_bound}")
         self.wait_bound = wait_bound or (GPU_WAIT_BOUND if on_gpu else INTERPRETER_WAIT_BOUND)
@@ -671,7 +679,8 @@ class FusedForward(_PersistentLaunch):
 
     def _launch(self, x, out, n, layer, warmup: bool, saved: SavedGateUp | None = None) -> None:
         _run(*self.kernel_call(x, out, n, layer, saved=saved), grid=(self.workers,), warmup=warmup,
-             what=f"forward rank {self.fabric.rank} tokens {n} shared {layer.shared_experts is not None}")
+             what=f"forward rank {self.fabric.rank} tokens {n} shared {layer.shared_experts is not None}",
+             check=self.residency_check)
 
     def _weight_descriptors(self, experts: nn.Module, shared_mlp: nn.Module | None) -> tuple:
         """``weight_descriptors``, rebuilt only when a weight moved or changed dtype or shape (an
@@ -831,7 +840,8 @@ class FusedBackward(_PersistentLaunch):
                                 d_router, d_gate_up, d_down)
         if (call[2]["WG_TMA"] or call[2]["TILE_TMA"]) and tokens.device.type == "cuda":
             ensure_triton_allocator()
-        _run(*call, grid=(self.workers,), warmup=warmup, what=f"backward rank {self.fabric.rank} tokens {n}")
+        _run(*call, grid=(self.workers,), warmup=warmup, what=f"backward rank {self.fabric.rank} tokens {n}",
+             check=self.residency_check)
 
     def kernel_call(self, tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                     d_router, d_gate_up, d_down, on_gpu: bool | None = None) -> tuple:

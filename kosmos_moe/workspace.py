@@ -33,22 +33,22 @@ def _round_up(n: int, to: int) -> int:
 
 
 def check_tile_sizes(tiles) -> None:
-    """Raise ``ValueError`` naming every bad size of a tiles dataclass: pipeline depths and strip
-    lengths (fields ending in ``stages`` or ``strip``) must be positive, every other size (block
-    shapes, which index ``tl.arange``, and warps) a power of two; Triton would otherwise fail
-    deep inside the compile of the whole kernel."""
+    """Raise ``ValueError`` naming every bad size of a tiles dataclass: pipeline depths, strip
+    lengths and workers per SM (fields ending in ``stages``, ``strip`` or ``per_sm``) must be
+    positive, every other size (block shapes, which index ``tl.arange``, and warps) a power of
+    two; Triton would otherwise fail deep inside the compile of the whole kernel."""
     bad = []
     for f in fields(tiles):
         v = getattr(tiles, f.name)
         if f.type not in (int, "int"):
             continue
-        counts = f.name.endswith(("stages", "strip"))
+        counts = f.name.endswith(("stages", "strip", "per_sm"))
         if v < 1 or (not counts and v & (v - 1)):
             bad.append(f"{f.name}={v}")
     if bad:
         kind = type(tiles).__name__
-        raise ValueError(f"{kind}: depths and strips must be positive, block sizes and warps powers of two: "
-                         + ", ".join(bad))
+        raise ValueError(f"{kind}: depths, strips and workers per SM must be positive, block sizes and warps "
+                         "powers of two: " + ", ".join(bad))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +76,12 @@ class Tiles:
     # each tile's start; 4 fits (192 KB). Untimed: variant down_stages4.
     down_stages: int = 3
     warps: int = 8
+    # Workers per SM. With 2, two workers of 4 warps share each SM, each on its own task, so
+    # one's tile start, epilogue and queue passes overlap the other's wgmma: what CUTLASS's
+    # ping-pong schedule gets from two consumer warpgroups, without a producer warpgroup.
+    # The compiled kernel must fit that many per SM (registers, shared memory); the launcher
+    # checks before its first launch (kosmos_moe.residency). Variants two_per_sm*.
+    workers_per_sm: int = 1
     tma: bool = True             # weight blocks by TMA where the device and strides allow it (kosmos_moe.fused.weight_descriptors)
     row_alignment_hint: bool = True  # tell the compiler gate/up rows are 16-byte aligned when they are (expert_forward)
     # Routed gate/up tiles as one dot of 2 x gate_up_cols columns, the gate block and the up
@@ -225,6 +231,7 @@ class BackwardTiles:
     fold_cols: int = 512         # BHF
     stages: int = 3
     warps: int = 8
+    workers_per_sm: int = 1      # as Tiles.workers_per_sm
     # Pipeline stages of the dx tiles: 3.64 vs 4.30 ms busy per worker at 3 (DeepSeek-V3, 32
     # experts, H200). The SwiGLU-backward tiles fit only 3 in shared memory.
     dx_stages: int = 4

@@ -20,6 +20,10 @@ class FakeCompiled:
     def __init__(self, fail: bool = False) -> None:
         self.runs = []
         self.fail = fail
+        self.loaded = False
+
+    def _init_handles(self):
+        self.loaded = True
 
     def launch_metadata(self, grid, stream, *values):
         return ("meta", grid, stream)
@@ -37,6 +41,7 @@ class FakeKernel:
 
     def __init__(self, fail: bool = False) -> None:
         self.triton_calls = []
+        self.warmups = []
         self.compiled = FakeCompiled(fail)
 
     def __getitem__(self, grid):
@@ -44,6 +49,11 @@ class FakeKernel:
             self.triton_calls.append((grid, args, constants))
             return self.compiled
         return launch
+
+    def run(self, *args, grid, warmup, **constants):
+        assert warmup, "the direct path compiles through run() only to look before launching"
+        self.warmups.append((grid, args, constants))
+        return self.compiled
 
 
 @dataclasses.dataclass
@@ -150,3 +160,35 @@ def test_a_launcher_that_rejects_the_call_turns_the_direct_path_off(monkeypatch)
     assert not launcher.enabled and len(launcher.kernel.triton_calls) == 2
     launcher((1,), args, constants)
     assert len(launcher.kernel.triton_calls) == 3
+
+
+def test_a_check_sees_each_compiled_kernel_before_its_first_launch(launcher):
+    # kosmos_moe.residency.require_resident refuses a grid that cannot all be resident: it must
+    # run before anything is launched, and again for a kernel compiled for new traits.
+    seen = []
+
+    def check(compiled):
+        assert compiled.loaded and launcher.kernel.triton_calls == [], "checked after a launch"
+        seen.append(compiled)
+
+    x = torch.zeros(64, dtype=torch.bfloat16)
+    constants = {"BLOCK": 64, "FLAG": True}
+    launcher((132,), (x, 37, None), constants, check)  # None: an argument the launcher cannot key on
+    assert seen == [launcher.kernel.compiled] and len(launcher.kernel.triton_calls) == 1
+    seen.clear()
+    launcher.kernel.triton_calls.clear()
+    desc = FakeDescriptor(torch.zeros(32, 16), [16, 16])
+    launcher((132,), (x, 37, desc), constants, check)
+    launcher((132,), (x, 53, desc), constants, check)  # same traits: cached, not checked again
+    assert len(seen) == 1 and len(launcher.kernel.triton_calls) == 1 and len(launcher.kernel.compiled.runs) == 1
+
+
+def test_a_refusing_check_launches_nothing(launcher):
+    def refuse(compiled):
+        raise RuntimeError("264 workers on this device cannot all be resident")
+
+    args = (torch.zeros(4), 3, FakeDescriptor(torch.zeros(4, 4), [4, 4]))
+    for _ in range(2):  # nothing is cached for a refused kernel: the next call is refused too
+        with pytest.raises(RuntimeError, match="cannot all be resident"):
+            launcher((264,), args, {"BLOCK": 1, "FLAG": False}, refuse)
+    assert launcher.kernel.triton_calls == [] and launcher.kernel.compiled.runs == []

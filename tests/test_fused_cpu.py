@@ -183,7 +183,9 @@ def test_bad_tile_sizes_are_refused():
         replace(INTERPRETER_TILES, rows=96, down_stages=0)
     with pytest.raises(ValueError, match=r"BackwardTiles: .*dx_cols=100, wgrad_strip=0"):
         BackwardTiles(dx_cols=100, wgrad_strip=0)
-    replace(INTERPRETER_TILES, stages=3, down_stages=5)  # depths need not be powers of two
+    with pytest.raises(ValueError, match=r"Tiles: .*workers_per_sm=0"):
+        replace(INTERPRETER_TILES, workers_per_sm=0)
+    replace(INTERPRETER_TILES, stages=3, down_stages=5, workers_per_sm=3)  # counts need not be powers of two
 
 
 def check_cpu_needs_interpreter(rank, world):

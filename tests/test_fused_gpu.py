@@ -7,11 +7,15 @@ The fused output is compared with an fp32 evaluation of the same bf16 weights; i
 stay within twice the error of the bf16 reference backend on the same inputs.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from accuracy import assert_within
 from fused_cases import GPU_COUNTS, GPU_SHAPES, emulated_gpu_world, fp32_truth, skew_tokens
+
+from kosmos_moe.workspace import GPU_TILES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,12 +26,12 @@ pytestmark = [
 TEST_WAIT_BOUND = 1 << 22
 
 
-def make_world(case, world, skew="none", workers=None, max_tokens=768):
-    return emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND)
+def make_world(case, world, skew="none", workers=None, max_tokens=768, tiles=None):
+    return emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND, tiles)
 
 
-def run_and_check(case, world, skew="none", workers=None, calls=2):
-    full, emulated, layers = make_world(case, world, skew, workers)
+def run_and_check(case, world, skew="none", workers=None, calls=2, tiles=None):
+    full, emulated, layers = make_world(case, world, skew, workers, tiles=tiles)
     hidden = GPU_SHAPES[case]["hidden_size"]
     truth_layer = fp32_truth(full, case)
     for call in range(calls):
@@ -72,6 +76,26 @@ def test_other_router_shared_combinations(case):
 @pytest.mark.parametrize("workers", [1, 7])
 def test_forced_worker_counts(workers):
     run_and_check("sigmoid_group_shared", 2, workers=workers)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_two_workers_per_sm(world):
+    # Workers of one warpgroup, two per SM: the grid is twice the SMs over the ranks, and every
+    # worker of every rank is resident at once (a stranded one would stall the world).
+    tiles = replace(GPU_TILES, warps=4, workers_per_sm=2, gate_up_cols=64, down_cols=128)
+    layers = run_and_check("sigmoid_group_shared", world, tiles=tiles)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert layers[0].fused().workers == 2 * sms // world
+
+
+def test_grid_beyond_residency_is_refused():
+    # The default tiles (8 warps, ~147 KB of shared memory) fit one worker per SM: asking for
+    # two is refused before the launch, naming what the compiled kernel needs, instead of
+    # stranding half the grid.
+    full, emulated, layers = make_world("softmax", 1, tiles=replace(GPU_TILES, workers_per_sm=2))
+    x = torch.randn(64, GPU_SHAPES["softmax"]["hidden_size"], device="cuda").to(torch.bfloat16)
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"cannot all be resident.*fits 1 per SM"):
+        layers[0](x)
 
 
 @pytest.mark.parametrize("skew", ["one_expert", "one_rank"])

@@ -9,9 +9,10 @@ forward's gate/up loop was until its rows were declared aligned.
 
 This test compiles both kernels with the GPU's tiles at the DeepSeek-V3 one-rank shape
 through benchmarks/kernel_resources.py (Triton's own compiler and ptxas, no GPU) and fails
-on either warning, on a 16-bit wgmma loop without a dot in flight, or on shared memory over
-sm_90's 227 KB. Two more runs show each check can fail: weight-gradient tiles known to
-exhaust the registers, and the forward without its row alignment hint.
+on either warning, on a 16-bit wgmma loop without a dot in flight, on shared memory over
+sm_90's 227 KB, or on fewer blocks per SM than the tiles' workers_per_sm. Three more runs
+show the checks can fail: weight-gradient tiles known to exhaust the registers, the forward
+without its row alignment hint, and the default forward asked to run two workers per SM.
 """
 
 import importlib.util
@@ -50,6 +51,7 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
         assert kernel["wgmma_serialized"] == [], (name, kernel["ptxas_warnings"])
         assert 0 < kernel["shared_bytes"] <= 232448, (name, kernel["shared_bytes"])
         assert kernel["registers"] > 0
+        assert kernel["warps"] == 8 and kernel["blocks_per_sm"] == 1, kernel  # the tiles' workers_per_sm
         gemm_loops = [loop for loop in kernel["wgmma_loops"] if loop["dtype"] == "bf16"]
         assert len(gemm_loops) >= loops and all(loop["in_flight"] for loop in gemm_loops), kernel["wgmma_loops"]
         # Spilled bytes are found at source lines of the kernels (--spills), at most 5 of them
@@ -73,3 +75,11 @@ def test_unaligned_gate_up_rows_are_reported(tmp_path):
                if loop["dtype"] == "bf16" and not loop["in_flight"]]
     # The routed gate/up loop: one dot of both weight blocks (Tiles.gate_up_one_dot).
     assert len(stalled) == 1 and stalled[0]["dots"] == 1 and stalled[0]["plain_loads"] == 1, stalled
+
+
+def test_more_workers_per_sm_than_fit_are_reported(tmp_path):
+    # The default forward (8 warps, ~147 KB of shared memory) fits one block per SM; the
+    # launcher would refuse a grid of two per SM, and the offline check says so first.
+    done, report = run_tool(tmp_path, "--kernels", "forward", "--tiles", "workers_per_sm=2")
+    assert done.returncode == 1 and "2 workers per SM asked, 1 fit" in done.stdout, done.stdout[-3000:]
+    assert report["kernels"]["forward"]["blocks_per_sm"] == 1
