@@ -11,7 +11,9 @@
   the world and EP sizes and the model config, which a resume checks.
 
 ``meta.json`` beside the rank files is written last, by rank 0 after every rank has written:
-a step directory without it is incomplete and ``latest_checkpoint`` skips it.
+a step directory without it is incomplete and ``latest_checkpoint`` skips it. A save returns
+on no rank before ``meta.json`` is written, so a rank that goes on to look for the latest
+checkpoint (a resume right after a save) finds the one just saved.
 """
 
 from __future__ import annotations
@@ -67,6 +69,12 @@ def save_checkpoint(directory: str | Path, *, rank: int, world: int, model, mast
     if rank == 0:
         summary = {k: meta[k] for k in ("step", "world", "ep", "preset") if k in meta}
         (directory / "meta.json").write_text(json.dumps(summary, indent=1))
+    if dist.is_initialized():
+        # Without it, rank 1 could return and look for the latest checkpoint before rank 0 had
+        # written meta.json: a resume right after a save then started rank 1 at step 0 and
+        # rank 0 at the saved step, and their collectives paired up wrongly until one waited
+        # forever (a hang seen in tests/test_proxies.py on a busy 2-core machine).
+        dist.barrier()
     return path
 
 

@@ -263,13 +263,19 @@ def _load_balance(moes, par) -> tuple[float, float] | None:
 
 
 def _resolve_resume(resume: str | None, out: Path) -> tuple[str | None, str | None]:
-    """(the step directory to resume from or None, a note to print when 'auto' found none)."""
+    """(the step directory to resume from or None, a note to print when 'auto' found none).
+
+    With several ranks, rank 0 looks and every rank takes its answer: ranks that resumed from
+    different steps would pair their collectives wrongly and wait forever.
+    """
     if resume != "auto":
         return resume, None
-    found = latest_checkpoint(out)
-    if found is None:
+    found = [latest_checkpoint(out)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(found, src=0)
+    if found[0] is None:
         return None, f"--resume auto: no complete checkpoint in {out}; starting at step 0"
-    return str(found), None
+    return str(found[0]), None
 
 
 def _checkpoint_meta(p: argparse.ArgumentParser, resume: str, rank: int) -> dict:

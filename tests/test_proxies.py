@@ -363,6 +363,50 @@ def check_parallel_training(rank, world, expected, tmp):
     assert [r["loss"] for r in straight["history"]] == [r["loss"] for r in resumed["history"]]
 
 
+def check_save_returns_complete(rank, world, tmp):
+    # Rank 0 is slow to finish the checkpoint (meta.json, written last). No rank may return
+    # from the save before it is there: a resume right after a save once started rank 1 at
+    # step 0 and rank 0 at the saved step, and the two ranks' collectives then hung.
+    import time
+
+    from proxies.checkpoint import latest_checkpoint, save_checkpoint, step_dir
+    from proxies.optim import MasterWeights
+
+    if rank == 0:
+        write_text = Path.write_text
+
+        def slow_write_text(self, *args, **kwargs):
+            time.sleep(1.0)
+            return write_text(self, *args, **kwargs)
+
+        Path.write_text = slow_write_text
+    model = torch.nn.Linear(4, 4)
+    masters = MasterWeights(model)
+    optimizer = torch.optim.AdamW(masters.masters)
+    saved = save_checkpoint(step_dir(tmp, 3), rank=rank, world=world, model=model, masters=masters,
+                            optimizer=optimizer, meta={"step": 3})
+    assert latest_checkpoint(tmp) == saved.parent, f"rank {rank} returned before the checkpoint was complete"
+
+
+def check_resume_auto_agrees(rank, world, tmp):
+    # Each rank's view of the file system may lag (a network file system): rank 0's answer is
+    # every rank's, here against a rank 1 that sees no checkpoint at all.
+    import proxies.train as train
+
+    if rank == 1:
+        train.latest_checkpoint = lambda out: None
+    resume, note = train._resolve_resume("auto", Path(tmp))
+    assert resume == str(Path(tmp) / "checkpoints" / "step_000007") and note is None, (rank, resume, note)
+
+
+def test_checkpoints_are_complete_and_resumed_alike_on_every_rank(tmp_path):
+    run_world(2, check_save_returns_complete, str(tmp_path / "save"))
+    step = tmp_path / "resume" / "checkpoints" / "step_000007"
+    step.mkdir(parents=True)
+    (step / "meta.json").write_text("{}")
+    run_world(2, check_resume_auto_agrees, str(tmp_path / "resume"))
+
+
 def test_expert_and_data_parallel_training(tmp_path):
     single = main(["--preset", "deepseek_v3_tiny", "--steps", "8", "--batch", "4", "--seq-len", "32",
                    "--no-progress", "--no-ckpt", "--out", str(tmp_path / "one")])
