@@ -208,6 +208,16 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
         report = [layer.fused().profile_report() for layer in layers]
         busy = {k: sum(rep[k]["seconds"] for rep in report) / (workers * ranks) for k in report[0]}
         gemm_s = sum(busy[k] for k in ("gate_up", "down", "shared_gate_up", "shared_down"))
+        # Per routed tile: the mean task time and the part after its last dot. Tiles of two
+        # reduction depths (gate/up H deep, down I deep) separate a per-step cost from a
+        # per-tile one.
+        tile_us = {}
+        for kind in ("gate_up", "down"):
+            tiles_run = sum(rep[kind]["passes"] for rep in report)
+            seconds = sum(rep[kind]["seconds"] for rep in report)
+            epilogue = sum(rep[f"{kind}_epilogue"]["seconds"] for rep in report)
+            tile_us[kind] = {"tiles": tiles_run, "us_per_tile": 1e6 * seconds / max(tiles_run, 1),
+                             "epilogue_us_per_tile": 1e6 * epilogue / max(tiles_run, 1)}
         v = {
             "tiles": dataclasses.asdict(tiles), "workers_per_rank": workers,
             "fused_ms": t_fused * 1e3, "speedup_vs_reference": t_ref / t_fused,
@@ -218,6 +228,7 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
             # device's GEMM time.
             "in_kernel_gemm_tflops": w["gemm_flops"] / gemm_s / 1e12 if gemm_s else 0.0,
             "per_worker_busy_ms": {k: s * 1e3 for k, s in busy.items()},
+            "routed_tiles": tile_us,
             "max_abs_diff_vs_reference": err.max().item(), "mean_abs_diff_vs_reference": err.mean().item(),
         }
         v["in_kernel_gemm_vs_grouped_mm"] = v["in_kernel_gemm_tflops"] / result["grouped_mm_tflops"]
@@ -226,7 +237,9 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
             f"(synchronised calls {t_fused_sync * 1e3:.3f} ms, x{t_ref_sync / t_fused_sync:.2f}), "
             f"{100 * roof / t_fused:.0f}% of roofline, GEMM {v['in_kernel_gemm_tflops']:.0f} TFLOP/s in kernel "
             f"vs grouped_mm {result['grouped_mm_tflops']:.0f}; busy ms "
-            + ", ".join(f"{k} {s * 1e3:.3f}" for k, s in busy.items()))
+            + ", ".join(f"{k} {s * 1e3:.3f}" for k, s in busy.items()) + "; per tile "
+            + ", ".join(f"{k} {t['tiles']} x {t['us_per_tile']:.1f} us (after the last dot {t['epilogue_us_per_tile']:.1f})"
+                        for k, t in tile_us.items()))
         del layers, world, outs, out
         torch.cuda.empty_cache()
     del full

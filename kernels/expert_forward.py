@@ -117,7 +117,11 @@ from .tile_gemm import (
 # With PROFILE, every pass of a worker adds its nanoseconds to int64 slot ``kind`` of
 # ``profile_ptr`` and one to slot ``16 + kind``. Slot 0 is passes that found nothing ready.
 PROFILE_SLOTS = ("idle", "route", "count_exchange", "dispatch", "gate_up", "down",
-                 "shared_gate_up", "shared_down", "fold")
+                 "shared_gate_up", "shared_down", "fold", "gate_up_epilogue", "down_epilogue")
+# Parts of the routed GEMM tasks' time above (not passes of their own): from a tile's last
+# dot to the end of its stores (a down tile's: and of its arrival signals to the source ranks).
+PROFILE_GATE_UP_EPILOGUE = tl.constexpr(9)
+PROFILE_DOWN_EPILOGUE = tl.constexpr(10)
 
 # Queue slots in the control block.
 Q_FEED = tl.constexpr(0)
@@ -147,7 +151,7 @@ def routed_gate_up_rows(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, T_MAX: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr,
     ROWS: tl.constexpr, BN_GU: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, ONE_DOT: tl.constexpr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, ONE_DOT: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
 ):
     """A routed gate/up tile: ``n_rows <= ROWS`` received rows from ``row0`` of local expert ``e``,
     column block ``ib``, into ``h``. Rows from this rank were never copied: they are read in place.
@@ -181,12 +185,15 @@ def routed_gate_up_rows(
     else:
         acc_g, acc_u = gate_up_acc(a_rows, n_rows, w_e, w_e + I * H, ib * BN_GU, H, I, ROWS, BN_GU, BK,
                                    DOT_DTYPE, STAGES)
+    t_epilogue = now() if PROFILE else 0
     cols = ib * BN_GU + tl.arange(0, BN_GU)
     store_swiglu(acc_g, acc_u, h_r + row0.to(tl.int64) * I, tl.arange(0, ROWS), cols, row_ok, I)
     if save_cap > 0:
         store_gate_up(acc_g, acc_u, saved_ptr, rows, cols, row_ok & (rows < save_cap), I)
         if ib == 0:
             tl.store(slot_ptr + src.to(tl.int64) * (T_MAX * TOP_K) + ent, rows, mask=row_ok)
+    if PROFILE:
+        tl.atomic_add(profile_ptr + PROFILE_GATE_UP_EPILOGUE, now() - t_epilogue, sem="relaxed")
 
 
 @triton.jit
@@ -195,7 +202,7 @@ def routed_down_rows(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr, B_COMB: tl.constexpr,
     ROWS: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, SCOPE: tl.constexpr,
+    TMA: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
 ):
     """A routed down tile: ``n_rows <= ROWS`` rows of ``h`` from ``row0`` (local expert ``e``),
     column block ``hb``; each row scaled by its routing weight and stored straight into its source
@@ -207,6 +214,7 @@ def routed_down_rows(
     else:
         acc = down_tile(h_r + row0.to(tl.int64) * I, n_rows, w_down_ptr + e.to(tl.int64) * H * I, hb * BN_DN,
                         I, H, ROWS, BN_DN, BK, DOT_DTYPE, STAGES)
+    t_epilogue = now() if PROFILE else 0
     rows = row0 + tl.arange(0, ROWS)
     row_ok = tl.arange(0, ROWS) < n_rows
     wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
@@ -218,6 +226,8 @@ def routed_down_rows(
     tl.debug_barrier()
     arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
     tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+    if PROFILE:
+        tl.atomic_add(profile_ptr + PROFILE_DOWN_EPILOGUE, now() - t_epilogue, sem="relaxed")
 
 
 # Token count, rank, wait bound, saved rows and the shared-projection switch are not
@@ -352,7 +362,7 @@ def expert_forward_kernel(
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
                                      H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
-                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE)
+                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr)
                     q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q
@@ -408,7 +418,8 @@ def expert_forward_kernel(
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
                                         h_r, saved_ptr, slot_ptr, save_cap, H, I, TOP_K, T_MAX, C_RECV_SRC, C_RECV_ENT,
-                                        BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA, ROWS_ALIGNED, GU_ONE_DOT)
+                                        BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA, ROWS_ALIGNED, GU_ONE_DOT,
+                                        PROFILE, profile_ptr)
                     signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
                     g, open_q = settle_ticket(nxt, n_gu, open_q, OPEN_GATE_UP)
                     did = 4
