@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+from datetime import timedelta
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -13,12 +14,16 @@ import interpreter_patching
 
 #: The children's environment of a world that runs the kernels under Triton's interpreter.
 INTERPRET = {"TRITON_INTERPRET": "1"}
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 
 
 def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     interpreter_patching.install()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # A collective that one rank never joins fails the test after this long, instead of holding
+    # CI for gloo's default 30 minutes per collective.
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=COLLECTIVE_TIMEOUT)
     try:
         fn(rank, world, *args)
     finally:
