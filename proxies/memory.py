@@ -13,8 +13,12 @@ The optimizer step is where the training state peaks (the activations are freed 
   loop, its default on the CPU, holds two temporaries of one tensor at a time (the square root
   and its quotient).
 
-Activations (freed before the step, but a peak of their own in the backward), the fused
-backends' workspaces, the CUDA context and allocator rounding come on top. So this is a floor:
+- the kosmos backend's fused workspaces, worst-case buffers allocated at the first call and
+  held for good: one forward and one backward workspace per distinct layer shape, as the
+  proxies' layers share them (``kosmos_moe.share_workspaces``).
+
+Activations (freed before the step, but a peak of their own in the backward), DeepEP's
+buffers, the CUDA context and allocator rounding come on top. So this is a floor:
 a run whose floor exceeds the device's free memory fails at its first optimizer step, after the
 model was built and its first step compiled, and the training script refuses it up front
 instead.
@@ -26,6 +30,9 @@ import dataclasses
 
 import torch
 from torch import nn
+
+from kosmos_moe import ExpertLayer
+from kosmos_moe.workspace import workspace_bytes
 
 from .optim import decay_split
 
@@ -42,15 +49,17 @@ class StepMemory:
     gradients: int
     moments: int
     step_temporary: int
+    workspaces: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.masters + self.gradients + self.moments + self.step_temporary
+        return self.weights + self.masters + self.gradients + self.moments + self.step_temporary + self.workspaces
 
     def describe(self) -> str:
         grads = "fp32 gradients" if self.masters or self.moments else "gradients"
         parts = [("weights", self.weights), ("fp32 masters", self.masters), (grads, self.gradients),
-                 ("AdamW moments", self.moments), ("the step's temporary", self.step_temporary)]
+                 ("AdamW moments", self.moments), ("the step's temporary", self.step_temporary),
+                 ("kosmos workspaces", self.workspaces)]
         listed = ", ".join(f"{name} {size(b)}" for name, b in parts if b)
         return f"{size(self.total)} ({listed})"
 
@@ -78,14 +87,29 @@ def step_memory(model: nn.Module, multi_tensor: bool) -> StepMemory:
         gradients=elements * _FP32,
         moments=2 * elements * _FP32,
         step_temporary=temporary * _FP32,
+        workspaces=workspace_memory(model),
     )
 
 
 def backward_memory(model: nn.Module) -> StepMemory:
     """The floor of a forward + backward without an optimizer step (the benchmarks' full-expert
-    cases): the weights and their gradients, both in the weights' dtype."""
+    cases): the weights and their gradients, both in the weights' dtype, and the workspaces."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    return StepMemory(weights=weights, masters=0, gradients=weights, moments=0, step_temporary=0)
+    return StepMemory(weights=weights, masters=0, gradients=weights, moments=0, step_temporary=0,
+                      workspaces=workspace_memory(model))
+
+
+def workspace_memory(model: nn.Module) -> int:
+    """Bytes of the forward and backward workspaces of ``model``'s kosmos layers on one rank,
+    one pair per distinct (shape, EP size, token bound, dtype): layers that share them hold one
+    (``kosmos_moe.share_workspaces``). At the GPU's default tiles; 0 without kosmos layers."""
+    pairs: dict[tuple, int] = {}
+    for layer in model.modules():
+        if isinstance(layer, ExpertLayer) and layer.backend == "kosmos":
+            key = (layer.config, layer.ep_world, layer.max_tokens_per_rank, layer.experts.gate_up_proj.dtype)
+            if key not in pairs:
+                pairs[key] = sum(workspace_bytes(*key).values())
+    return sum(pairs.values())
 
 
 def shortfall(need: StepMemory, free_bytes: int, where: str) -> str | None:
@@ -94,6 +118,6 @@ def shortfall(need: StepMemory, free_bytes: int, where: str) -> str | None:
         return None
     at = "at the optimizer step" if need.moments else "at the end of the backward"
     return (f"the training state needs at least {need.describe()} per rank {at}, "
-            f"more than the {size(free_bytes)} free on {where} (activations and workspaces come "
-            f"on top); use fewer --layers or --num-experts, a smaller --vocab-size, or split the experts "
-            f"over more GPUs with torchrun and --ep-size")
+            f"more than the {size(free_bytes)} free on {where} (activations come on top); use fewer --layers "
+            f"or --num-experts, a smaller --vocab-size, or split the experts over more GPUs with torchrun "
+            f"and --ep-size")

@@ -197,6 +197,28 @@ def test_shortfall_names_the_floor_and_the_remedies():
         assert remedy in why
 
 
+def test_kosmos_workspaces_count_once_per_layer_shape():
+    """The floor holds the kosmos layers' worst-case workspaces (forward and backward), once per
+    distinct layer shape: the proxies' layers share them (tests below check the sharing)."""
+    from kosmos_moe.workspace import workspace_bytes
+    from proxies.memory import step_memory, workspace_memory
+    from proxies.models import build_skeleton
+
+    cfg = get_config("qwen3_235b", n_layers=4, vocab_size=1024)
+    tokens = 4096
+    kosmos = build_skeleton(cfg, MoERuntime("kosmos", max_tokens_per_rank=tokens), dtype=torch.bfloat16)
+    assert len(kosmos.moe_layers()) == 4
+    pair = sum(workspace_bytes(cfg.moe, 1, tokens, torch.bfloat16).values())
+    assert workspace_memory(kosmos) == pair > 1 << 30  # Qwen3-235B's layer at 4096 tokens: about 1.7 GiB
+    need = step_memory(kosmos, multi_tensor=True)
+    assert need.workspaces == pair and "kosmos workspaces 1." in need.describe()
+    reference = step_memory(build_skeleton(cfg, MoERuntime("reference"), dtype=torch.bfloat16), multi_tensor=True)
+    assert reference.workspaces == 0 and need.total == reference.total + pair
+    # Another token bound is another layout: its own pair.
+    bigger = build_skeleton(cfg, MoERuntime("kosmos", max_tokens_per_rank=2 * tokens), dtype=torch.bfloat16)
+    assert workspace_memory(bigger) == sum(workspace_bytes(cfg.moe, 1, 2 * tokens, torch.bfloat16).values()) > pair
+
+
 def test_skeleton_has_the_built_models_parameters():
     from proxies.models import build_skeleton
 
