@@ -55,6 +55,9 @@ class Workspace:
     peers: torch.Tensor
     keepalive: tuple = ()
     failed: Exception | None = None
+    #: (stream, event) of the latest call that used it, on a GPU: a call from another stream
+    #: waits for that event before its launch (the fused launchers' ``_after_other_streams``).
+    last_use: tuple | None = None
 
 
 class Fabric:

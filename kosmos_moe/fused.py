@@ -433,13 +433,32 @@ class _PersistentLaunch:
             return
         if torch.cuda.is_current_stream_capturing():
             return  # under graph capture, raise_if_failed(block=True) reads the record itself
+        # With no slot free (a thousand calls in flight) the record stays in the workspace for a
+        # blocking check.
         slot = _HostRecords.take()
-        if slot is None:
-            return  # a thousand calls in flight: the record stays in the workspace for a blocking check
-        _HostRecords._table[slot].copy_(record, non_blocking=True)
+        if slot is not None:
+            _HostRecords._table[slot].copy_(record, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self._pending.append((event, slot))
+        self.workspace.last_use = (torch.cuda.current_stream().cuda_stream, event)
+        if slot is not None:
+            self._pending.append((event, slot))
+
+    def _after_other_streams(self) -> None:
+        """Make this call's stream wait for the last call that used this workspace from another
+        stream (``Workspace.last_use``, set by :meth:`_watch`).
+
+        Layers that share a workspace (:func:`kosmos_moe.share_workspaces`), or one layer called
+        from two streams, would otherwise run kernels that overwrite each other's buffers. The
+        wait is the device's; the host goes on. Under CUDA graph capture the streams' order is
+        the graph's, as captured.
+        """
+        use = self.workspace.last_use
+        if use is None or torch.cuda.is_current_stream_capturing():
+            return
+        stream = torch.cuda.current_stream()
+        if use[0] != stream.cuda_stream:
+            stream.wait_event(use[1])
 
     def raise_if_failed(self, block: bool = True) -> None:
         """Raise :class:`ExpertLayerTimeout` if any earlier call timed out.
@@ -590,16 +609,20 @@ class FusedForward(_PersistentLaunch):
             _HostRecords.reserve()
             self._join_first_launch(tokens if n > 0 else out, out, layer, keep_routing)
         saved = self._saved_gate_up(n, tokens.dtype, layer.shared_experts is not None) if keep_routing else None
+        if self.fabric.device.type == "cuda":
+            self._after_other_streams()
         self._launch(tokens if n > 0 else out, out, n, layer, warmup=False, saved=saved)
         lay, c = self.layout, self.config
         top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * c.top_k].view(n, c.top_k)
-        self._watch()
         out = out if n else out[:0]  # the buffer itself, not a view of it (FSDP2 warns on views)
-        if not keep_routing:
-            return out, top_e.long()
-        w0 = lay.bytes["topk_w"]
-        top_w = self.workspace.local[w0: w0 + 4 * n * c.top_k].view(torch.float32).view(n, c.top_k)
-        return out, top_e.long(), top_e.clone(), top_w.clone(), saved
+        if keep_routing:
+            w0 = lay.bytes["topk_w"]
+            top_w = self.workspace.local[w0: w0 + 4 * n * c.top_k].view(torch.float32).view(n, c.top_k)
+            result = (out, top_e.long(), top_e.clone(), top_w.clone(), saved)
+        else:
+            result = (out, top_e.long())
+        self._watch()  # after the copies out of the workspace: the end of this call's use of it
+        return result
 
     def _join_first_launch(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module, keep_routing: bool) -> None:
         """On a GPU, the first call (and the first training call) compiles and loads this
@@ -814,6 +837,8 @@ class FusedBackward(_PersistentLaunch):
             tokens, grad_out = dx, dx
             top_e = torch.zeros(1, c.top_k, dtype=torch.int32, device=dx.device)
             top_w = torch.zeros(1, c.top_k, dtype=torch.float32, device=dx.device)
+        if self.fabric.device.type == "cuda":
+            self._after_other_streams()
         self._launch(tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                      d_router, d_gate_up, d_down, warmup=False)
         self._watch()

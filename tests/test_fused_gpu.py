@@ -98,6 +98,44 @@ def test_grid_beyond_residency_is_refused():
         layers[0](x)
 
 
+def test_layers_sharing_a_workspace_on_two_streams():
+    # Two layers sharing one workspace (kosmos_moe.share_workspaces), called back to back from
+    # two streams with no host sync between: the second call's stream waits for the first's
+    # use of the workspace, so both give what they give one after another on one stream.
+    from torch import nn
+
+    from kosmos_moe import ExpertLayer, share_workspaces
+    from kosmos_moe.fabric import EmulatedWorld
+
+    shape = GPU_SHAPES["sigmoid_group_shared"]
+    world = EmulatedWorld(1, "cuda")
+    torch.manual_seed(0)
+    layers = nn.ModuleList(
+        ExpertLayer(**shape, backend="kosmos", fabric=world.rank(0), max_tokens_per_rank=768, dtype=torch.bfloat16,
+                    device="cuda", fused_options=dict(wait_bound=TEST_WAIT_BOUND))
+        for _ in range(2))
+    share_workspaces(layers)
+    xs = [torch.randn(768, shape["hidden_size"], device="cuda").to(torch.bfloat16) for _ in layers]
+    with torch.no_grad():
+        one_stream = [layer(x) for layer, x in zip(layers, xs)]
+        torch.cuda.synchronize()
+        assert layers[0].fused().workspace is layers[1].fused().workspace
+        streams = [torch.cuda.Stream() for _ in layers]
+        for s in streams:
+            s.wait_stream(torch.cuda.current_stream())
+        outs = []
+        for _ in range(3):
+            for layer, x, s in zip(layers, xs, streams):
+                with torch.cuda.stream(s):
+                    outs.append(layer(x))
+        torch.cuda.synchronize()
+    for layer in layers:
+        layer.fused().raise_if_failed()
+    assert layers[0].fused().workspace.last_use[0] == streams[1].cuda_stream
+    for i, out in enumerate(outs):
+        assert torch.equal(out, one_stream[i % 2]), f"call {i} on stream {i % 2} differs from the one-stream run"
+
+
 @pytest.mark.parametrize("skew", ["one_expert", "one_rank"])
 def test_skewed_routing(skew):
     run_and_check("sigmoid_group_shared", 4, skew=skew)
