@@ -15,8 +15,8 @@
 #   forward          layer_forward.py on the four EP=1 cases (the forward table)
 #   backward         layer_backward.py --profile on the four cases (the forward+backward table)
 #   variants-forward layer_forward.py on the four EP=1 cases, the default against the forward
-#                    variants not yet timed on the GPU (two workers per SM), after the GPU
-#                    tests of those tiles
+#                    variants last timed (two workers per SM, the README's table), after the
+#                    GPU tests of those tiles
 #   variants         layer_backward.py --profile, DeepSeek-V3 32 experts, the default against
 #                    the backward variants not yet timed on the GPU
 #   variants-full    the same at 256 experts, for the variants meant for few rows per expert

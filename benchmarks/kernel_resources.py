@@ -77,6 +77,7 @@ SM90_SHARED_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (2
 SM90_SHARED_PER_SM = 233472  # 228 KB per SM, of which the driver reserves 1 KB per block
 SM90_REGISTERS_PER_SM = 65536
 SM90_WARPS_PER_SM = 64
+SERIALIZED = re.compile(r"\((C75\d\d)\).*wgmma.*serialized")
 
 
 def sm90_blocks_per_sm(registers: int, shared: int, warps: int) -> int:
@@ -86,7 +87,6 @@ def sm90_blocks_per_sm(registers: int, shared: int, warps: int) -> int:
     by_registers = SM90_REGISTERS_PER_SM // warp_registers // warps
     by_shared = SM90_SHARED_PER_SM // (shared + 1024)
     return min(by_registers, by_shared, SM90_WARPS_PER_SM // warps, 32)
-SERIALIZED = re.compile(r"\((C75\d\d)\).*wgmma.*serialized")
 
 
 def tile_overrides(pairs: list[str], tiles):

@@ -446,7 +446,7 @@ class _PersistentLaunch:
 
     def _after_other_streams(self) -> None:
         """Make this call's stream wait for the last call that used this workspace from another
-        stream (``Workspace.last_use``, set by :meth:`_watch`).
+        stream (``Workspace.last_use``, set by :meth:`_watch` on a GPU only).
 
         Layers that share a workspace (:func:`kosmos_moe.share_workspaces`), or one layer called
         from two streams, would otherwise run kernels that overwrite each other's buffers. The
@@ -609,8 +609,7 @@ class FusedForward(_PersistentLaunch):
             _HostRecords.reserve()
             self._join_first_launch(tokens if n > 0 else out, out, layer, keep_routing)
         saved = self._saved_gate_up(n, tokens.dtype, layer.shared_experts is not None) if keep_routing else None
-        if self.fabric.device.type == "cuda":
-            self._after_other_streams()
+        self._after_other_streams()
         self._launch(tokens if n > 0 else out, out, n, layer, warmup=False, saved=saved)
         lay, c = self.layout, self.config
         top_e = self._words[lay.words["topk_e"]: lay.words["topk_e"] + n * c.top_k].view(n, c.top_k)
@@ -837,8 +836,7 @@ class FusedBackward(_PersistentLaunch):
             tokens, grad_out = dx, dx
             top_e = torch.zeros(1, c.top_k, dtype=torch.int32, device=dx.device)
             top_w = torch.zeros(1, c.top_k, dtype=torch.float32, device=dx.device)
-        if self.fabric.device.type == "cuda":
-            self._after_other_streams()
+        self._after_other_streams()
         self._launch(tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                      d_router, d_gate_up, d_down, warmup=False)
         self._watch()

@@ -11,8 +11,7 @@ The optimizer step is where the training state peaks (the activations are freed 
   ``sqrt(second moment)`` for a whole parameter group at once and frees it before the next
   group's update, so the largest group's temporary adds to everything above; the per-tensor
   loop, its default on the CPU, holds two temporaries of one tensor at a time (the square root
-  and its quotient).
-
+  and its quotient);
 - the kosmos backend's fused workspaces, worst-case buffers allocated at the first call and
   held for good: one forward and one backward workspace per distinct layer shape, as the
   proxies' layers share them (``kosmos_moe.share_workspaces``).
