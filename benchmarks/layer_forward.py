@@ -59,9 +59,6 @@ TILE_VARIANTS = {
     # Two workers of one warpgroup per SM (Tiles.workers_per_sm), each tile a warpgroup's:
     # 128 x 128 tiles (gate/up as one dot of 64 + 64 columns) in 3 stages (98 KB of shared
     # memory offline, so two fit), or 64 x 256 tiles in 2 stages (82 KB).
-    # A down tile's arrival signals sent after the worker's next down tile's GEMM, not right
-    # after its own stores (Tiles.defer_combine_signal).
-    "defer_signal": dataclasses.replace(GPU_TILES, defer_combine_signal=True),
     "two_per_sm": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, gate_up_cols=64, down_cols=128),
     "two_per_sm_rows64": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, rows=64, stages=2,
                                              down_stages=2),

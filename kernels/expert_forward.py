@@ -80,10 +80,6 @@ respectively SGATE_UP, taken to its end; when one of them is earliest unfinished
 that queue has run, so the next worker that visits it finds it so, and claims next pass. So
 the protocol finishes with any number of workers per rank, one included, provided every
 rank's kernel is running (the fabric guarantees residency).
-With ``DEFER_SIGNAL`` a down tile's arrival signals are sent by its worker's next down tile,
-after that tile's GEMM, or, if the worker's next pass runs anything else or nothing, in that
-pass right after the DOWN queue. A worker holds unsent signals only while it runs a down tile
-that is ready and waits on nothing, so no wait, and no worker's exit, depends on them.
 
 Epochs and buffer reuse
 -----------------------
@@ -121,13 +117,11 @@ from .tile_gemm import (
 # With PROFILE, every pass of a worker adds its nanoseconds to int64 slot ``kind`` of
 # ``profile_ptr`` and one to slot ``16 + kind``. Slot 0 is passes that found nothing ready.
 PROFILE_SLOTS = ("idle", "route", "count_exchange", "dispatch", "gate_up", "down",
-                 "shared_gate_up", "shared_down", "fold", "gate_up_epilogue", "down_epilogue", "down_signal")
+                 "shared_gate_up", "shared_down", "fold", "gate_up_epilogue", "down_epilogue")
 # Parts of the routed GEMM tasks' time above (not passes of their own): from a tile's last
-# dot to the end of its stores (a down tile's: and of the arrival signals it sends, its own or,
-# with DEFER_SIGNAL, the previous tile's); and of that, the arrival signals alone.
+# dot to the end of its stores (a down tile's: and of its arrival signals to the source ranks).
 PROFILE_GATE_UP_EPILOGUE = tl.constexpr(9)
 PROFILE_DOWN_EPILOGUE = tl.constexpr(10)
-PROFILE_DOWN_SIGNAL = tl.constexpr(11)
 
 # Queue slots in the control block.
 Q_FEED = tl.constexpr(0)
@@ -203,64 +197,17 @@ def routed_gate_up_rows(
 
 
 @triton.jit
-def arrival_counters(
-    ctl, peers_ptr, me, row0, n_rows,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr, H: tl.constexpr, DT: tl.constexpr,
-    C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr, B_COMB: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """For received rows ``row0 .. row0 + n_rows``: where their results go (a pointer to each
-    row's slot in its source rank's combine buffer), the arrival counter of each row's token
-    there, and the rows' mask."""
-    rows = row0 + tl.arange(0, ROWS)
-    row_ok = tl.arange(0, ROWS) < n_rows
-    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
-    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-    dst_rows, base, tok = combine_destination(peers_ptr, src, ent, row_ok, DT, TOP_K, SLOTS, H, B_COMB)
-    arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
-    return dst_rows, arrive, row_ok
-
-
-@triton.jit
-def arrive_rows(
-    ctl, peers_ptr, me, row0, n_rows,
-    TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr, H: tl.constexpr, DT: tl.constexpr,
-    C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr, B_COMB: tl.constexpr,
-    ROWS: tl.constexpr, SCOPE: tl.constexpr,
-):
-    """Tell the source ranks of received rows ``row0 .. row0 + n_rows`` that one more column
-    block of their results is in their combine buffers (a release: the stores before it are
-    visible to whoever sees the count)."""
-    _, arrive, row_ok = arrival_counters(ctl, peers_ptr, me, row0, n_rows, TOP_K, SLOTS, T_MAX, H, DT,
-                                         C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB, ROWS)
-    tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-
-
-@triton.jit
 def routed_down_rows(
-    h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me, pend_row0, pend_rows,
+    h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr, B_COMB: tl.constexpr,
     ROWS: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, SCOPE: tl.constexpr, DEFER_SIGNAL: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
+    TMA: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
 ):
     """A routed down tile: ``n_rows <= ROWS`` rows of ``h`` from ``row0`` (local expert ``e``),
     column block ``hb``; each row scaled by its routing weight and stored straight into its source
-    rank's combine buffer (the combine is fused into the GEMM), then the source is signalled.
-
-    The rows' weights and destinations are loaded before the GEMM, so the epilogue does not
-    wait on their chain of loads. With ``DEFER_SIGNAL`` this tile's signals are left pending
-    and the previous tile's (``pend_rows`` rows from ``pend_row0``; 0: none) are sent instead,
-    after this tile's GEMM: a release waits until the stores before it are done, and by then
-    the previous tile's have long been. Returns the rows now pending, ``(row0, n_rows)``, or
-    ``(0, 0)``."""
+    rank's combine buffer (the combine is fused into the GEMM), then the source is signalled."""
     DT = h_r.dtype.element_ty
-    wgt = tl.load(recv_w + row0 + tl.arange(0, ROWS), mask=tl.arange(0, ROWS) < n_rows, other=0.0)
-    dst_rows, arrive, row_ok = arrival_counters(ctl, peers_ptr, me, row0, n_rows, TOP_K, SLOTS, T_MAX, H, DT,
-                                                C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB, ROWS)
-    if DEFER_SIGNAL:
-        _, pend_arrive, pend_ok = arrival_counters(ctl, peers_ptr, me, pend_row0, pend_rows, TOP_K, SLOTS, T_MAX,
-                                                   H, DT, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB, ROWS)
     if TMA:
         acc = down_tile_tma_w(h_r + row0.to(tl.int64) * I, n_rows, w_down_desc, e * H, hb * BN_DN,
                               I, ROWS, BN_DN, BK, DOT_DTYPE, STAGES)
@@ -268,26 +215,19 @@ def routed_down_rows(
         acc = down_tile(h_r + row0.to(tl.int64) * I, n_rows, w_down_ptr + e.to(tl.int64) * H * I, hb * BN_DN,
                         I, H, ROWS, BN_DN, BK, DOT_DTYPE, STAGES)
     t_epilogue = now() if PROFILE else 0
-    if DEFER_SIGNAL:
-        tl.atomic_add(pend_arrive, 1, mask=pend_ok, sem="release", scope=SCOPE)
-        if PROFILE:
-            tl.atomic_add(profile_ptr + PROFILE_DOWN_SIGNAL, now() - t_epilogue, sem="relaxed")
+    rows = row0 + tl.arange(0, ROWS)
+    row_ok = tl.arange(0, ROWS) < n_rows
+    wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
+    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+    dst_rows, base, tok = combine_destination(peers_ptr, src, ent, row_ok, DT, TOP_K, SLOTS, H, B_COMB)
     cols = hb * BN_DN + tl.arange(0, BN_DN)
     tl.store(dst_rows[:, None] + cols[None, :], (acc * wgt[:, None]).to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
     tl.debug_barrier()
-    if DEFER_SIGNAL:
-        pend_row0 = row0
-        pend_rows = n_rows
-    else:
-        t_signal = now() if PROFILE else 0
-        tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-        if PROFILE:
-            tl.atomic_add(profile_ptr + PROFILE_DOWN_SIGNAL, now() - t_signal, sem="relaxed")
-        pend_row0 = 0
-        pend_rows = 0
+    arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+    tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
     if PROFILE:
         tl.atomic_add(profile_ptr + PROFILE_DOWN_EPILOGUE, now() - t_epilogue, sem="relaxed")
-    return pend_row0, pend_rows
 
 
 # Token count, rank, wait bound, saved rows and the shared-projection switch are not
@@ -318,7 +258,7 @@ def expert_forward_kernel(
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
     BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
     DN_STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr, DEFER_SIGNAL: tl.constexpr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -362,10 +302,6 @@ def expert_forward_kernel(
     held_sdn = -1
     held_f = -1
     held_feed = -1  # a dispatch chunk taken before every rank's counts were in
-    # With DEFER_SIGNAL: the rows of the last down tile this worker ran whose arrival signals are
-    # not sent yet (see "Why it cannot deadlock" for when they are).
-    pend_row0 = 0
-    pend_rows = 0
     # Bit q set: queue q may still have unclaimed tasks. A worker clears it when it finds the
     # queue's head at its end (the task counts are fixed once the counts are known), and then
     # skips the queue: every pass of a short task would otherwise pay a round trip per queue.
@@ -424,20 +360,12 @@ def expert_forward_kernel(
                     nxt = take_ticket(heads + Q_DOWN, open_q, OPEN_DOWN)
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    pend_row0, pend_rows = routed_down_rows(
-                        h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
-                        pend_row0, pend_rows, H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
-                        BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, DEFER_SIGNAL, PROFILE, profile_ptr)
+                    routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
+                                     H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
+                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr)
                     q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q
-        if DEFER_SIGNAL:
-            # Pending signals go out before anything but another down tile runs, and before a
-            # pass that runs nothing: no worker waits, or leaves, with signals unsent.
-            if (did != 5) & (pend_rows > 0):
-                arrive_rows(ctl, peers_ptr, me, pend_row0, pend_rows, TOP_K, SLOTS, T_MAX, H, DT,
-                            C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB, BM, SCOPE)
-                pend_rows = 0
 
         # ---- SDOWN (shared expert) ----
         if did == 0:

@@ -94,10 +94,6 @@ class Tiles:
     # busy per worker 3.18 -> 2.79 ms and the forward 5.72 -> 5.45 ms (DeepSeek-V3 rank view),
     # 1.29 -> 1.14 and 2.26 -> 2.15 ms (Qwen3 rank view).
     gate_up_one_dot: bool = True
-    # Send a routed down tile's arrival signals to its source ranks after the worker's next down
-    # tile's GEMM instead of right after its own stores (expert_forward.routed_down_rows): a
-    # release waits until the worker's earlier stores are done, which then they long are.
-    defer_combine_signal: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -108,8 +104,7 @@ class Tiles:
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols, BM=self.rows,
             BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth, BTF=self.fold_tokens, BHF=self.fold_cols,
-            STAGES=self.stages, DN_STAGES=self.down_stages, GU_ONE_DOT=self.gate_up_one_dot,
-            DEFER_SIGNAL=self.defer_combine_signal, num_warps=self.warps,
+            STAGES=self.stages, DN_STAGES=self.down_stages, GU_ONE_DOT=self.gate_up_one_dot, num_warps=self.warps,
         )
 
 

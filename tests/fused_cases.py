@@ -59,9 +59,7 @@ CASES = {
     "softmax_shared": dict(
         shape=dict(hidden_size=40, moe_intermediate_size=12, num_experts=8, top_k=2, num_shared_experts=2),
         counts=[18, 33, 7, 1], workers=3,
-        # Gate and up blocks as two dots; down tiles' arrival signals sent by the worker's next
-        # down tile (three workers, several down tiles each at these shapes).
-        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=False, defer_combine_signal=True),
+        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=False),  # gate and up blocks as two dots
     ),
     "sigmoid_group_shared": dict(
         shape=dict(hidden_size=28, moe_intermediate_size=12, num_experts=16, top_k=4, router="sigmoid_group",

@@ -88,15 +88,6 @@ def test_two_workers_per_sm(world):
     assert layers[0].fused().workers == 2 * sms // world
 
 
-@pytest.mark.parametrize("world", [1, 4])
-def test_deferred_combine_signals(world):
-    # A down tile's arrival signals sent by its worker's next down tile (or its next pass that
-    # runs anything else): every token's results still arrive, with 7 workers per rank, so
-    # each runs many down tiles in a row, as with the whole grid.
-    run_and_check("sigmoid_group_shared", world, workers=7, tiles=replace(GPU_TILES, defer_combine_signal=True))
-    run_and_check("softmax", world, tiles=replace(GPU_TILES, defer_combine_signal=True))
-
-
 def test_grid_beyond_residency_is_refused():
     # The default tiles (8 warps, ~147 KB of shared memory) fit one worker per SM: asking for
     # two is refused before the launch, naming what the compiled kernel needs, instead of
