@@ -64,10 +64,11 @@ VARIANTS = {
 }
 
 # Weight-gradient tiles: (output rows, output columns, reduction depth, stages, column blocks
-# per strip, warps, operands by TMA, blocks stored by TMA). The fused backward's are
-# GPU_BACKWARD_TILES' wgrad_* fields.
+# per strip, warps, operands by TMA, blocks stored by TMA). The fused backward's
+# (GPU_BACKWARD_TILES' wgrad_* fields) are cols256 since stop 32, cols128 before; the others
+# change one thing of cols128.
 WGRAD_VARIANTS = {
-    "fused_default": (128, 128, 64, 4, 16, 8, True, False),
+    "cols128": (128, 128, 64, 4, 16, 8, True, False),
     "pointers": (128, 128, 64, 4, 16, 8, False, False),
     "pointers_stages3": (128, 128, 64, 3, 16, 8, False, False),
     "cols256": (128, 256, 64, 3, 16, 8, True, False),

@@ -60,25 +60,19 @@ VARIANTS = {
     "dx_stages3": _backward_tiles(dx_stages=3),
     "depth32": _backward_tiles(depth=32),
     "wgrad_k32_stages4": _backward_tiles(wgrad_depth=32, wgrad_stages=4),
-    "wgrad_stages3": _backward_tiles(wgrad_stages=3),
-    "wgrad_stages5": _backward_tiles(wgrad_stages=5),
     "wgrad_pointers": _backward_tiles(wgrad_tma=False),
     "tile_tma": _backward_tiles(tile_tma=True),
-    # 128 x 256 weight-gradient tiles (642 vs 556 TFLOP/s in gemm_tiles.py's plain grid, H200),
-    # which compile without wgmma serialization only beside 64 x 64 router-gradient tiles
-    # (offline sm_90 spills at 73f003d: 2,056 B one rank, 3,580 B an EP=2 rank of 512 tokens,
-    # against 972 and 1,388 at the default tiles; by nvdisasm's line map, in the SwiGLU-backward
-    # epilogue and the task loop's carried state, none in a bf16 wgmma loop).
-    "wgrad_cols256": _backward_tiles(wgrad_cols=256, wgrad_stages=3, router_grad_rows=64, router_grad_cols=64),
-    # 128 x 256 dx tiles, 4 stages (192 KB of shared memory): the same register relief lets
-    # them compile without serialization (offline sm_90, Triton 3.6, at 73f003d: 1,076 B of
-    # spills, against 972 at the default; in the epilogues and the carried state), but
-    # not beside 128 x 256 weight-gradient tiles (C7512, even with 16 x 16 router tiles).
-    "dx_cols256": _backward_tiles(dx_cols=256, router_grad_rows=64, router_grad_cols=64),
-    # The smaller router-gradient tiles alone: what the two variants above pay for their relief.
-    "router_grad64": _backward_tiles(router_grad_rows=64, router_grad_cols=64),
-    # The router-gradient reduction 32 tokens a step: its loop stops spilling (offline sm_90:
-    # the kernel 568 B against 972 B).
+    # The default until stop 32: 128 x 128 weight-gradient tiles in 4 stages beside 128 x 128
+    # router-gradient tiles (128 x 256 ones beside those make ptxas serialize every wgmma, C7512).
+    "wgrad_cols128": _backward_tiles(wgrad_cols=128, wgrad_stages=4, router_grad_rows=128, router_grad_cols=128),
+    # 128 x 256 dx tiles, 4 stages (192 KB of shared memory), beside 128 x 128 weight-gradient
+    # tiles: not beside 128 x 256 ones (C7512, even with 16 x 16 router tiles; offline sm_90,
+    # Triton 3.6). H100 80GB, stop 32, DeepSeek-V3 32 experts, against the then default
+    # (wgrad_cols128): dx 3.14 against 4.02 ms busy per worker, weight gradients 6.93 against
+    # 6.48, the step 21.72 against 22.11 ms, where 128 x 256 weight-gradient tiles took 21.48.
+    "dx_cols256": _backward_tiles(dx_cols=256, wgrad_cols=128, wgrad_stages=4),
+    # The router-gradient reduction 32 tokens a step: fewer spills (offline sm_90, Triton 3.6:
+    # the kernel 1,548 B against 2,056 B).
     "router_depth32": _backward_tiles(router_grad_depth=32),
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
 }

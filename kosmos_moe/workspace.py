@@ -215,19 +215,31 @@ class BackwardTiles:
     # of recompute_cols: 128 there makes ptxas serialize the kernel's wgmma (C7512).
     swiglu_cols: int = 128
     recompute_cols: int = 64
-    dx_cols: int = 128           # BN of the dx tiles
+    # BN of the dx tiles. 256 would not compile beside 128 x 256 weight-gradient tiles without
+    # wgmma serialization (C7512); beside 128 x 128 ones it ran the dx tiles 22% faster but the
+    # step only 1.8% (layer_backward.py variant dx_cols256), less than wider weight-gradient
+    # tiles gained.
+    dx_cols: int = 128
     depth: int = 64              # BK
     wgrad_depth: int = 64        # BKW: rows per step of a weight-gradient reduction
-    wgrad_rows: int = 128        # BWM
-    wgrad_cols: int = 128        # BWN
+    # BWM x BWN: the weight-gradient tiles. 128 x 256 against 128 x 128 (4 stages, beside
+    # 128 x 128 router-gradient tiles; layer_backward.py variant wgrad_cols128), H100 80GB,
+    # stop 32, forward+backward ms, one run: DeepSeek-V3 32 experts 21.57 / 22.22, Qwen3 16
+    # experts 8.60 / 9.47, DeepSeek-V3 256 experts 43.16 / 43.20, Qwen3 128 experts 11.82 / 13.20
+    # (weight gradients 5.56 / 6.55 ms busy per worker at DeepSeek-V3 32 experts).
+    wgrad_rows: int = 128
+    wgrad_cols: int = 256
     # BRM x BRN: the router weight's gradient tiles (fp32 operands, tf32x3 dots on the GPU).
     # Beside 128 x 256 weight-gradient tiles, 64 x 128 or larger ones make ptxas serialize
-    # every wgmma of the kernel (C7512, offline sm_90, Triton 3.6); 64 x 64 do not.
-    router_grad_rows: int = 128
-    router_grad_cols: int = 128
-    # BRK: tokens per step of the router-gradient reduction. At 64 its loop spills (about 110
-    # spill instructions per step, offline sm_90, Triton 3.6, DeepSeek-V3 one-rank view; the
-    # kernel 972 B); at 32 it does not (the kernel 568 B). Untimed on the GPU: variant router_depth32.
+    # every wgmma of the kernel (C7512, offline sm_90, Triton 3.6); 64 x 64 do not. They cost
+    # most at 256 experts (stop 32, same runs: route backward 3.52 against 1.83 ms busy per
+    # worker, router weight 1.11 against 0.50), where the weight gradients gain as much.
+    router_grad_rows: int = 64
+    router_grad_cols: int = 64
+    # BRK: tokens per step of the router-gradient reduction. At 32 the kernel spills 1,548 B
+    # against 2,056 at 64 (offline sm_90, Triton 3.6, DeepSeek-V3 one-rank view). H100 80GB,
+    # stop 32, beside the 128 x 128 tiles then the default: 21.88 against 22.11 ms
+    # (variant router_depth32); untimed beside these.
     router_grad_depth: int = 64
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
@@ -241,16 +253,18 @@ class BackwardTiles:
     # forward+backward (DeepSeek-V3, 256 experts, H200).
     wgrad_strip: int = 16
     # Pipeline stages of the weight-gradient strips (both gradients share one loop, so one set
-    # of buffers of 32 KB per stage). H200, forward+backward by pointer loads, 3 / 4 / 5
-    # stages: DeepSeek-V3 rank view 22.96 / 22.59 / 22.68 ms, Qwen3 rank view 9.41 / 9.22 / 9.31.
-    wgrad_stages: int = 4
+    # of buffers, 48 KB per stage at 128 x 256): 4 would need 229 KB of shared memory, over
+    # sm_90's 227. At 128 x 128 by pointer loads, H200, forward+backward, 3 / 4 / 5 stages:
+    # DeepSeek-V3 rank view 22.96 / 22.59 / 22.68 ms, Qwen3 rank view 9.41 / 9.22 / 9.31.
+    wgrad_stages: int = 3
     # Weight-gradient operands by TMA (descriptors over each expert's rows, made in the task)
     # where kosmos_moe.fused.backward_tma_usable allows, else by pointer loads. Plain grid on the
     # H200 (benchmarks/gemm_tiles.py, DeepSeek-V3 rank view, 128 x 128, 4 stages): dW[g;u]
     # about 560 vs 400 TFLOP/s by pointers, torch._grouped_mm 700.
     wgrad_tma: bool = True
-    # With wgrad_tma, each finished weight-gradient block also leaves by TMA (untimed in the
-    # fused kernel; a plain-grid probe at 1,024 rows per expert gained 1-2%).
+    # With wgrad_tma, each finished weight-gradient block also leaves by TMA (a plain-grid probe
+    # at 1,024 rows per expert gained 1-2%; in the kernel, beside 128 x 128 tiles, H100 80GB,
+    # stop 32, DeepSeek-V3 32 experts: 22.03 against 22.11 ms forward+backward, one run).
     wgrad_tma_store: bool = False
     # The dx tiles' and (kept-projection) SwiGLU-backward tiles' rows and weight blocks by TMA,
     # descriptors made in the task, where kosmos_moe.fused.backward_tma_usable allows. Off: on

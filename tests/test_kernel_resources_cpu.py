@@ -62,8 +62,9 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
 
 
 def test_register_starved_tiles_are_reported(tmp_path):
-    # 128 x 256 weight-gradient tiles beside the default 128 x 128 router-gradient tiles.
-    done, report = run_tool(tmp_path, "--kernels", "backward", "--backward-tiles", "wgrad_cols=256", "wgrad_stages=3")
+    # The default 128 x 256 weight-gradient tiles beside 128 x 128 router-gradient tiles.
+    done, report = run_tool(tmp_path, "--kernels", "backward", "--backward-tiles", "router_grad_rows=128",
+                            "router_grad_cols=128")
     assert done.returncode == 1 and "wgmma serialized (C7512)" in done.stdout, done.stdout[-3000:]
     assert report["kernels"]["backward"]["wgmma_serialized"] == ["C7512"]
 
