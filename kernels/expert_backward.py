@@ -20,9 +20,11 @@ DX        (local expert, H-block, row tile): ``dx = [dg du] @ [Wg; Wu]`` over de
           epilogue stores each row into its source rank's combine buffer. The H-block-0 task
           also sums the row's ``dw`` partials (fixed order) and sends ``dw`` to the source.
           Ready when all SwiGLU-backward tiles of the row tile are done.
-RBWD      route backward of BT local tokens: recomputes the fp32 router logits, takes ``dw``
-          through the top-k rule to ``d logits`` (kept for DWR) and adds ``d logits @ Wr`` as
-          the router's part of grad_x. Ready when every ``dw`` of its tokens has arrived.
+RBWD      route backward of BT local tokens: reads the fp32 router logits the forward kept
+          (``logits_ptr``; redoing the router GEMM here read the whole router weight once per
+          task), takes ``dw`` through the top-k rule to ``d logits`` (kept for DWR) and adds
+          ``d logits @ Wr`` as the router's part of grad_x. Ready when every ``dw`` of its
+          tokens has arrived.
 DH        (local expert, I-block, row tile): one pass over H computes ``dh'``; the gate and
           up projections are read where the forward kept them, or, for a tile with a row it
           did not keep, recomputed in the same pass (three accumulators, in sub-tiles of BN_RC
@@ -70,7 +72,7 @@ from .queues import (
     claim, combine_destination, count_flags, dispatch_chunk, expert_tasks, fold_block, locate, pick, poll_counts,
     record_missing_counts,
 )
-from .route import router_logits, routing_backward
+from .route import routing_backward
 from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
     async_proxy_fence, peer_ptr, record_error, signal_add,
@@ -191,7 +193,7 @@ def recomputed_swiglu_backward(
 
 @triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap"])
 def expert_backward_kernel(
-    x_ptr, g_ptr, dx_ptr, topk_e_ptr, topk_w_ptr, n_tokens, saved_ptr, slot_ptr, save_cap,
+    x_ptr, g_ptr, dx_ptr, topk_e_ptr, topk_w_ptr, logits_ptr, n_tokens, saved_ptr, slot_ptr, save_cap,
     router_w_ptr, scale, w_gate_up_ptr, w_down_ptr,
     d_router_ptr, d_gate_up_ptr, d_down_ptr,
     peers_ptr, me, wait_bound, profile_ptr,
@@ -209,7 +211,7 @@ def expert_backward_kernel(
     BN_DH: tl.constexpr, BN_RC: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BWM: tl.constexpr,
     BWN: tl.constexpr, WS: tl.constexpr, BRM: tl.constexpr, BRN: tl.constexpr, BRK: tl.constexpr, BHR: tl.constexpr,
     BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
-    DX_STAGES: tl.constexpr, WG_STAGES: tl.constexpr,
+    DX_STAGES: tl.constexpr, WG_STAGES: tl.constexpr, RB_STAGES: tl.constexpr, RG_STAGES: tl.constexpr,
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
@@ -226,6 +228,9 @@ def expert_backward_kernel(
     N_WGU_N: tl.constexpr = (H + BWN - 1) // BWN
     N_WD_M: tl.constexpr = (H + BWM - 1) // BWM
     N_WD_N: tl.constexpr = (I + BWN - 1) // BWN
+    BKE: tl.constexpr = BK_R if BK_R < E_PAD else E_PAD  # experts per step of RBWD's d logits @ Wr
+    N_EK: tl.constexpr = E_PAD // BKE
+    N_HR: tl.constexpr = (H + BHR - 1) // BHR
     N_WR_M: tl.constexpr = (E + BRM - 1) // BRM
     N_WR_N: tl.constexpr = (H + BRN - 1) // BRN
     N_WGU_S: tl.constexpr = (N_WGU_N + WS - 1) // WS   # strips of WS column blocks per task
@@ -359,10 +364,9 @@ def expert_backward_kernel(
                     got = tl.atomic_add(ctl + C_DW_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
                     if tl.sum(((got != TOP_K) & tok_ok).to(tl.int32), axis=0) == 0:
                         tl.debug_barrier()
-                        t0 = r * BT
-                        n_rows = tl.minimum(n_tokens - t0, BT)
-                        logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
-                                               H, E, BT, E_PAD, BK_R, ROUTER_PRECISION)
+                        t64 = toks.to(tl.int64)
+                        logits = tl.load(logits_ptr + t64[:, None] * E + e_idx[None, :],
+                                         mask=tok_ok[:, None] & (e_idx < E)[None, :], other=0.0)
                         ok = tok_ok[:, None] & (kk < TOP_K)[None, :]
                         ent = toks[:, None] * TOP_K + kk[None, :]
                         experts = tl.load(topk_e_ptr + ent, mask=ok, other=0)
@@ -371,16 +375,25 @@ def expert_backward_kernel(
                         d_logits = routing_backward(logits, experts, weights, d_w, scale, E, E_PAD, TOP_K, K_PAD,
                                                     SIGMOID_GROUP, NORM_TOPK)
                         d_logits = tl.where(tok_ok[:, None], d_logits, 0.0)
-                        t64 = toks.to(tl.int64)
                         tl.store(dlogits + t64[:, None] * E + e_idx[None, :], d_logits,
                                  mask=tok_ok[:, None] & (e_idx < E)[None, :])
-                        for h0 in tl.range(0, H, BHR, num_stages=1):  # fp32 [E, BHR] operand: one stage
-                            cols = h0 + tl.arange(0, BHR)
-                            wr = tl.load(router_w_ptr + e_idx[:, None] * H + cols[None, :],
-                                         mask=(e_idx < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
-                            part = tl.dot(d_logits, wr, input_precision=ROUTER_PRECISION)
-                            tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
-                                     mask=tok_ok[:, None] & (cols < H)[None, :])
+                        # d logits @ Wr, BKE experts a step, read back from where they were just
+                        # stored (one block's stores are visible to it after a barrier): holding the
+                        # [BT, E] tile in registers across the loop spilled inside it at 256
+                        # experts (offline sm_90: 235 spill stores and 374 loads on the dot's line).
+                        tl.debug_barrier()
+                        part = tl.zeros([BT, BHR], dtype=tl.float32)
+                        for i in tl.range(0, N_HR * N_EK, num_stages=RB_STAGES):
+                            ek = (i % N_EK) * BKE + tl.arange(0, BKE)
+                            cols = (i // N_EK) * BHR + tl.arange(0, BHR)
+                            a = tl.load(dlogits + t64[:, None] * E + ek[None, :],
+                                        mask=tok_ok[:, None] & (ek < E)[None, :], other=0.0)
+                            wr = tl.load(router_w_ptr + ek[:, None] * H + cols[None, :],
+                                         mask=(ek < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
+                            part = tl.dot(a, wr, tl.where(i % N_EK == 0, 0.0, part), input_precision=ROUTER_PRECISION)
+                            if i % N_EK == N_EK - 1:
+                                tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
+                                         mask=tok_ok[:, None] & (cols < H)[None, :])
                         tl.debug_barrier()
                         tl.atomic_add(ctl + C_COMB_ARR + toks, 1, mask=tok_ok, sem="release", scope=SCOPE)
                         signal_add(ctl + C_RB_DONE, 1, "gpu")
@@ -589,7 +602,7 @@ def expert_backward_kernel(
                         ncols = nb * BRN + tl.arange(0, BRN)
                         rr = tl.arange(0, BRK)
                         acc = tl.zeros([BRM, BRN], dtype=tl.float32)
-                        for t0 in tl.range(0, n_tokens, BRK, num_stages=1):  # fp32 operands: one stage
+                        for t0 in tl.range(0, n_tokens, BRK, num_stages=RG_STAGES):
                             toks = (t0 + rr).to(tl.int64)
                             ok = (t0 + rr) < n_tokens
                             at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],

@@ -27,7 +27,8 @@ FEED      route tiles, then the count exchange, then dispatch chunks (what every
           waits for); route tiles and the count exchange run when taken, a dispatch chunk
           once every rank's counts are in:
             route tile k      router GEMM + top-k for BT tokens; appends each (token, k) to the
-                              send list of its expert and counts it.
+                              send list of its expert and counts it. A training call keeps
+                              the fp32 logits (``logits_ptr``) for the backward's RBWD.
             count exchange    after all route tiles: writes this rank's per-expert counts into
                               every peer's table and sets its flag there to the call's epoch.
             dispatch chunk    after every peer's counts are in: copies up to BR rows bound for
@@ -234,9 +235,9 @@ def routed_down_rows(
 # specialised, so every rank of a world and every call, training or not, runs one compiled
 # kernel: loading a new module while a peer's persistent kernel spins may wait for that kernel
 # (CUDA lazy loading serialises module loads with running work).
-@triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap", "save_shared"])
+@triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap", "save_shared", "save_logits"])
 def expert_forward_kernel(
-    x_ptr, out_ptr, n_tokens, saved_ptr, slot_ptr, save_cap, s_saved_ptr, save_shared,
+    x_ptr, out_ptr, n_tokens, saved_ptr, slot_ptr, save_cap, s_saved_ptr, save_shared, logits_ptr, save_logits,
     router_w_ptr, bias_ptr, scale,
     w_gate_up_ptr, w_down_ptr, s_gate_ptr, s_up_ptr, s_down_ptr,
     w_gate_up_desc, w_down_desc, s_gate_desc, s_up_desc, s_down_desc,
@@ -442,6 +443,10 @@ def expert_forward_kernel(
                     n_rows = tl.minimum(n_tokens - t0, BT)
                     logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
                                            H, E, BT, E_PAD, BK_R, ROUTER_PRECISION)
+                    if save_logits:
+                        ecols = tl.arange(0, E_PAD)
+                        tl.store(logits_ptr + (t0 + tl.arange(0, BT)).to(tl.int64)[:, None] * E + ecols[None, :],
+                                 logits, mask=(tl.arange(0, BT) < n_rows)[:, None] & (ecols < E)[None, :])
                     experts, weights = top_k_routing(logits, bias_ptr, scale, E, E_PAD, TOP_K,
                                                      SIGMOID_GROUP, N_GROUP, TOPK_GROUP, G_PAD,
                                                      K_PAD, NORM_TOPK)

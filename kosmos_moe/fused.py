@@ -168,12 +168,18 @@ class SavedGateUp:
     ``[T, 2 I_s]``: ``[x Wg^T | x Wu^T]`` of every token, from which their backward
     (:func:`kosmos_moe.experts.shared_experts_backward`) takes its gradients without
     redoing their forward.
+
+    ``logits`` ``[T, E]`` fp32 are the router's logits of the source rank's tokens, which the
+    backward's route-backward tasks read instead of redoing the router GEMM (``4 E`` bytes
+    per token; redoing it took most of those tasks' time, and reread the router weight once
+    per ``route_tokens`` tokens).
     """
 
     values: torch.Tensor
     slots: torch.Tensor
     rows: int
     shared: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
 
 
 class _HostRecords:
@@ -664,7 +670,8 @@ class FusedForward(_PersistentLaunch):
         shared = None
         if has_shared and self.save_shared:
             shared = torch.empty(n, 2 * c.shared_intermediate_size, dtype=dtype, device=device)
-        return SavedGateUp(values, torch.empty(max(slots, 1), dtype=torch.int32, device=device), rows, shared)
+        logits = torch.empty(max(n, 1), c.num_experts, dtype=torch.float32, device=device)
+        return SavedGateUp(values, torch.empty(max(slots, 1), dtype=torch.int32, device=device), rows, shared, logits)
 
     def _warm_up(self, x: torch.Tensor, out: torch.Tensor, layer: nn.Module, with_backward: bool) -> None:
         """Compile and load every kernel variant this layer may launch, before launching any.
@@ -741,6 +748,8 @@ class FusedForward(_PersistentLaunch):
         kept = (saved.values, saved.slots, saved.rows) if saved is not None else (out, self._words, 0)
         shared_kept = saved is not None and saved.shared is not None and n > 0
         kept += (saved.shared, 1) if shared_kept else (out, 0)
+        # The logits' stand-in is fp32 too (a pointer's dtype is part of the compiled kernel).
+        kept += (saved.logits, 1) if saved is not None and n > 0 else (self._words[:1].view(torch.float32), 0)
         args = (
             x, out, n, *kept,
             gate.weight, bias if bias is not None else dummy, float(c.routed_scaling_factor),
@@ -770,8 +779,8 @@ class FusedForward(_PersistentLaunch):
 class FusedBackward(_PersistentLaunch):
     """Launches the persistent backward kernel for one rank of one layer (routed experts).
 
-    It needs from the forward the input, the forward's choices and weights, and the gate/up
-    projections it kept (:class:`SavedGateUp`); the dispatch layout is rebuilt from the
+    It needs from the forward the input, the forward's choices, weights and router logits, and
+    the gate/up projections it kept (:class:`SavedGateUp`); the dispatch layout is rebuilt from the
     choices, so any number of forwards may run before their backwards. Its workspace is
     separate from the forward's. ``saved`` (the kernel's ``SAVED``) says which rows' projections
     the forward keeps; with none, the SwiGLU-backward tasks are ``recompute_cols`` wide.
@@ -816,6 +825,11 @@ class FusedBackward(_PersistentLaunch):
         saved: SavedGateUp, router_weight: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``(grad_x, grad_router_weight (fp32), grad_gate_up_proj, grad_down_proj)``."""
+        if saved.logits is None or saved.logits.shape != (max(tokens.shape[0], 1), self.config.num_experts):
+            raise ValueError(
+                f"the backward needs the forward's fp32 router logits [{tokens.shape[0]}, {self.config.num_experts}] "
+                f"(SavedGateUp.logits, kept by a training forward), got "
+                f"{None if saved.logits is None else tuple(saved.logits.shape)}")
         self.raise_if_failed(block=False)
         problem = self._token_problem(tokens)
         n, hidden = tokens.shape
@@ -836,6 +850,7 @@ class FusedBackward(_PersistentLaunch):
             tokens, grad_out = dx, dx
             top_e = torch.zeros(1, c.top_k, dtype=torch.int32, device=dx.device)
             top_w = torch.zeros(1, c.top_k, dtype=torch.float32, device=dx.device)
+            saved = dataclasses.replace(saved, logits=top_w)
         self._after_other_streams()
         self._launch(tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                      d_router, d_gate_up, d_down, warmup=False)
@@ -854,7 +869,7 @@ class FusedBackward(_PersistentLaunch):
         w = layer.gate.weight
         gu, dn = layer.experts.gate_up_proj, layer.experts.down_proj
         d_router = torch.empty(w.shape, dtype=torch.float32, device=x.device)
-        saved = SavedGateUp(x, top_e.view(-1), 0)
+        saved = SavedGateUp(x, top_e.view(-1), 0, logits=top_w)
         self._launch(x, x, x, top_e, top_w, 0, saved, w, gu, dn, d_router, gu, dn, warmup=True)
 
     def _launch(self, tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
@@ -873,7 +888,7 @@ class FusedBackward(_PersistentLaunch):
 
         c, t = self.config, self.tiles
         args = (
-            tokens, grad_out, dx, top_e, top_w, n, saved.values, saved.slots, saved.rows,
+            tokens, grad_out, dx, top_e, top_w, saved.logits, n, saved.values, saved.slots, saved.rows,
             router_weight, float(c.routed_scaling_factor), gate_up_proj, down_proj,
             d_router, d_gate_up, d_down,
             self.workspace.peers, self.fabric.rank, self.wait_bound,
@@ -899,7 +914,8 @@ class FusedExpertsFunction(torch.autograd.Function):
     queued before the backward launch or after the forward launch (EmulatedWorld's docs).
 
     Saved between the two: the input (which autograd keeps for the caller anyway), the
-    forward's int32 choices and fp32 routing weights (``8 K`` bytes per token), the gate and up
+    forward's int32 choices and fp32 routing weights (``8 K`` bytes per token), its fp32 router
+    logits (``4 E`` bytes per token), the gate and up
     projections of the routed rows (:class:`SavedGateUp`: ``2I`` values per row, and an int32
     slot per (source, token, choice)), those of the shared experts (``2 I_s`` values per token,
     unless ``save_shared`` is off) and the weights themselves (no copies). Both SwiGLU
@@ -918,14 +934,14 @@ class FusedExpertsFunction(torch.autograd.Function):
                 router_weight, gate_up_proj, down_proj, *shared_weights):
         out, top_e, top_e32, top_w, saved = launched
         ctx.launcher, ctx.shared_mlp, ctx.saved_rows = launcher, shared_mlp, saved.rows
-        ctx.save_for_backward(tokens, router_weight, gate_up_proj, down_proj, top_e32, top_w, saved.values,
-                              saved.slots, saved.shared, *shared_weights)
+        ctx.save_for_backward(tokens, router_weight, gate_up_proj, down_proj, top_e32, top_w, saved.logits,
+                              saved.values, saved.slots, saved.shared, *shared_weights)
         ctx.mark_non_differentiable(top_e)
         return out, top_e
 
     @staticmethod
     def backward(ctx, grad_out, _grad_top_e):
-        (tokens, router_weight, gate_up_proj, down_proj, top_e, top_w, kept, slots, shared_kept,
+        (tokens, router_weight, gate_up_proj, down_proj, top_e, top_w, logits, kept, slots, shared_kept,
          *shared_weights) = ctx.saved_tensors
         need = ctx.needs_input_grad
         dx = d_router = d_gate_up = d_down = None
@@ -933,7 +949,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         # grad): no launch. Every rank of a world runs the same model, so all skip together.
         if need[0] or any(need[FusedExpertsFunction.ROUTED]):
             dx, d_router, d_gate_up, d_down = ctx.launcher.backward(
-                tokens, grad_out, top_e, top_w, SavedGateUp(kept, slots, ctx.saved_rows), router_weight,
+                tokens, grad_out, top_e, top_w, SavedGateUp(kept, slots, ctx.saved_rows, logits=logits), router_weight,
                 gate_up_proj, down_proj,
             )
             d_router = d_router.to(router_weight.dtype)

@@ -503,7 +503,8 @@ def check_saved_bytes(rank, world, case, save_shared):
     else:
         rows = min(world * max_tokens * min(top_k, experts // world), math.ceil(1.25 * n * top_k))
         slots = world * max_tokens * top_k
-    expected = n * (hidden * es + 8 * top_k) + max(rows, 1) * 2 * inter * es + max(slots, 1) * 4
+    expected = (n * (hidden * es + 8 * top_k) + max(n, 1) * 4 * experts + max(rows, 1) * 2 * inter * es
+                + max(slots, 1) * 4)
     if save_shared:
         expected += n * 2 * shared_inter * es
     assert got == expected, (f"rank {rank} of {world}, save_shared={save_shared}: {got} bytes saved for {n} tokens, "
