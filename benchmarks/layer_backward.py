@@ -75,9 +75,7 @@ VARIANTS = {
     # the kernel 1,548 B against 2,056 B).
     "router_depth32": _backward_tiles(router_grad_depth=32),
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
-    # The router-gradient reduction and the route backward's d logits @ Wr unpipelined, as
-    # before stop 33.
-    "router_grad_stages1": _backward_tiles(router_grad_stages=1),
+    # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),
 }
 

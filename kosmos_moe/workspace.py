@@ -205,7 +205,9 @@ class BackwardTiles:
 
     route_tokens: int = 32       # BT: tokens per layout and route-backward tile (fp32 [BT, E] tiles: 32 keeps shared memory near 100 KB)
     route_depth: int = 64        # BK_R: experts per step of the route backward's d logits @ Wr
-    route_stages: int = 2        # its pipeline stages (fp32 operands: 24 KB a stage at 32 x 64 x 64)
+    # Its pipeline stages (fp32 operands: 24 KB a stage at 32 x 64 x 64). H100 80GB, stop 33,
+    # DeepSeek-V3 256 experts: route backward 0.88 against 1.38 ms busy per worker with one.
+    route_stages: int = 2
     route_cols: int = 64         # BHR: columns per step of d logits @ Wr
     dispatch_rows: int = 32      # BR
     dispatch_cols: int = 512     # BH
@@ -234,7 +236,8 @@ class BackwardTiles:
     # Beside 128 x 256 weight-gradient tiles, 64 x 128 or larger ones make ptxas serialize
     # every wgmma of the kernel (C7512, offline sm_90, Triton 3.6); 64 x 64 do not. They cost
     # most at 256 experts (stop 32, same runs: route backward 3.52 against 1.83 ms busy per
-    # worker, router weight 1.11 against 0.50), where the weight gradients gain as much.
+    # worker, router weight 1.11 against 0.50), where the weight gradients gain as much. With
+    # the route backward's spills gone (stop 33), 64 x 128 and 128 x 128 still give C7512.
     router_grad_rows: int = 64
     router_grad_cols: int = 64
     # BRK: tokens per step of the router-gradient reduction. At 32 the kernel spills 1,548 B
@@ -242,7 +245,6 @@ class BackwardTiles:
     # stop 32, beside the 128 x 128 tiles then the default: 21.88 against 22.11 ms
     # (variant router_depth32); untimed beside these.
     router_grad_depth: int = 64
-    router_grad_stages: int = 2  # fp32 operands, 32 KB a stage at 64 x 64 x 64
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
     stages: int = 3
@@ -288,8 +290,7 @@ class BackwardTiles:
             BKW=self.wgrad_depth, BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip,
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
-            WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages,
-            RG_STAGES=self.router_grad_stages, num_warps=self.warps,
+            WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, num_warps=self.warps,
         )
 
 
@@ -298,7 +299,7 @@ GPU_BACKWARD_TILES = BackwardTiles()
 INTERPRETER_BACKWARD_TILES = BackwardTiles(
     route_tokens=16, route_depth=16, route_cols=16, route_stages=1, dispatch_rows=16, dispatch_cols=32, rows=16, swiglu_cols=32,
     recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16, router_grad_rows=16,
-    router_grad_cols=16, router_grad_depth=16, router_grad_stages=1, fold_tokens=16,
+    router_grad_cols=16, router_grad_depth=16, fold_tokens=16,
     fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2, wgrad_stages=1,
 )
 
