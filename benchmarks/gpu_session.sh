@@ -18,8 +18,9 @@
 #                    variants last timed (two workers per SM, the README's table), after the
 #                    GPU tests of those tiles
 #   variants         layer_backward.py --profile, DeepSeek-V3 32 experts, the default against
-#                    the backward variants: the tiles it replaced at stop 32, the other tiles
-#                    timed beside it, and those not yet timed on the GPU (shared_recompute)
+#                    the backward variants: what it replaced at stops 32 and 33 (64-deep
+#                    router-gradient steps, an unpipelined route product, 128 x 128
+#                    weight-gradient tiles), dx_cols256, and the shared experts' recompute
 #   variants-full    the same at 256 experts, for the variants meant for few rows per expert
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   host-blocking    host_blocking.py (which host operations wait for running kernels), then the
@@ -45,7 +46,7 @@ run_stage() {
                           python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                               --out "$out/variants_forward.json" --variants default two_per_sm two_per_sm_rows64 ;;
         variants) python benchmarks/layer_backward.py --cases dsv3_rank --profile --out "$out/variants.json" \
-                      --variants default wgrad_cols128 dx_cols256 router_depth32 wgrad_tma_store shared_recompute ;;
+                      --variants default router_depth64 route_stages1 wgrad_cols128 dx_cols256 shared_recompute ;;
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
                            --out "$out/variants_full.json" --variants default wgrad_tma_store wgrad_cols128 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;

@@ -71,9 +71,8 @@ VARIANTS = {
     # (wgrad_cols128): dx 3.14 against 4.02 ms busy per worker, weight gradients 6.93 against
     # 6.48, the step 21.72 against 22.11 ms, where 128 x 256 weight-gradient tiles took 21.48.
     "dx_cols256": _backward_tiles(dx_cols=256, wgrad_cols=128, wgrad_stages=4),
-    # The router-gradient reduction 32 tokens a step: fewer spills (offline sm_90, Triton 3.6:
-    # the kernel 1,548 B against 2,056 B).
-    "router_depth32": _backward_tiles(router_grad_depth=32),
+    # The router-gradient reduction 64 tokens a step (the default until stop 33; 32 spills less).
+    "router_depth64": _backward_tiles(router_grad_depth=64),
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
     # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),

@@ -240,11 +240,12 @@ class BackwardTiles:
     # the route backward's spills gone (stop 33), 64 x 128 and 128 x 128 still give C7512.
     router_grad_rows: int = 64
     router_grad_cols: int = 64
-    # BRK: tokens per step of the router-gradient reduction. At 32 the kernel spills 1,548 B
-    # against 2,056 at 64 (offline sm_90, Triton 3.6, DeepSeek-V3 one-rank view). H100 80GB,
-    # stop 32, beside the 128 x 128 tiles then the default: 21.88 against 22.11 ms
-    # (variant router_depth32); untimed beside these.
-    router_grad_depth: int = 64
+    # BRK: tokens per step of the router-gradient reduction. 32 spills less than 64 (offline
+    # sm_90, Triton 3.6, the whole kernel: 1,332 against 1,892 B at DeepSeek-V3 32 experts,
+    # 1,952 against 2,984 at 256), and at DeepSeek-V3 the GEMM tasks ran faster for it. H100 80GB, stop 33,
+    # forward+backward ms, 32 / 64 (variant router_depth64), one run each: DeepSeek-V3 32
+    # experts 20.81 / 21.14, 256 experts 40.26 / 41.22, Qwen3 16 experts 8.36 / 8.49.
+    router_grad_depth: int = 32
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
     stages: int = 3
