@@ -516,6 +516,33 @@ def test_saved_bytes_per_token(world, save_shared):
     run_world(world, check_saved_bytes, "softmax_shared", save_shared, env=INTERPRET)
 
 
+def check_kept_logits(rank, world, case):
+    """A training forward's route tiles keep the fp32 router logits of this rank's tokens,
+    which the backward reads instead of redoing the router GEMM; a backward handed none, or
+    logits of another shape, refuses before it launches."""
+    from kosmos_moe.fused import SavedGateUp
+
+    spec = CASES[case]
+    counts = spec["counts"][:world]
+    _, fused = build(world, case, "none", max_tokens=max(counts) + 3)
+    x = tokens(counts, spec["shape"]["hidden_size"], seed=5, positive=False)[rank]
+    launcher = fused.fused()
+    out, _, top_e, top_w, saved = launcher(x, fused, keep_routing=True)
+    assert saved.logits.dtype == torch.float32
+    torch.testing.assert_close(saved.logits, x @ fused.gate.weight.float().T, rtol=1e-5, atol=1e-5)
+    weights = (fused.gate.weight, fused.experts.gate_up_proj, fused.experts.down_proj)
+    g = torch.ones_like(out)
+    for logits in (None, saved.logits[:, 1:]):
+        with pytest.raises(ValueError, match="router logits"):
+            launcher.backward(x, g, top_e, top_w, SavedGateUp(saved.values, saved.slots, saved.rows, logits=logits),
+                              *weights)
+    launcher.backward(x, g, top_e, top_w, saved, *weights)  # the peers' backward joins this one
+
+
+def test_training_forward_keeps_router_logits():
+    run_world(2, check_kept_logits, "sigmoid_group", env=INTERPRET)
+
+
 def check_only_shared_trains(rank, world, case):
     """Router and routed experts frozen, input without grad: the shared experts get their
     gradients (this rank's tokens) and no fused backward is launched."""
