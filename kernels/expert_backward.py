@@ -390,7 +390,8 @@ def expert_backward_kernel(
                                         mask=tok_ok[:, None] & (ek < E)[None, :], other=0.0)
                             wr = tl.load(router_w_ptr + ek[:, None] * H + cols[None, :],
                                          mask=(ek < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
-                            part = tl.dot(a, wr, tl.where(i % N_EK == 0, 0.0, part), input_precision=ROUTER_PRECISION)
+                            part = tl.dot(a, wr, tl.where(i % N_EK == 0, 0.0, part),
+                                          input_precision=ROUTER_PRECISION)
                             if i % N_EK == N_EK - 1:
                                 tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
                                          mask=tok_ok[:, None] & (cols < H)[None, :])
@@ -602,7 +603,7 @@ def expert_backward_kernel(
                         ncols = nb * BRN + tl.arange(0, BRN)
                         rr = tl.arange(0, BRK)
                         acc = tl.zeros([BRM, BRN], dtype=tl.float32)
-                        for t0 in tl.range(0, n_tokens, BRK, num_stages=1):  # fp32 operands: one stage (2 gained nothing, stop 33)
+                        for t0 in tl.range(0, n_tokens, BRK, num_stages=1):  # fp32 operands; 2 stages gained nothing
                             toks = (t0 + rr).to(tl.int64)
                             ok = (t0 + rr) < n_tokens
                             at = tl.load(dlogits + toks[:, None] * E + mcols[None, :],

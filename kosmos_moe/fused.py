@@ -780,8 +780,8 @@ class FusedBackward(_PersistentLaunch):
     """Launches the persistent backward kernel for one rank of one layer (routed experts).
 
     It needs from the forward the input, the forward's choices, weights and router logits, and
-    the gate/up projections it kept (:class:`SavedGateUp`); the dispatch layout is rebuilt from the
-    choices, so any number of forwards may run before their backwards. Its workspace is
+    the gate/up projections it kept (:class:`SavedGateUp`); the dispatch layout is rebuilt from
+    the choices, so any number of forwards may run before their backwards. Its workspace is
     separate from the forward's. ``saved`` (the kernel's ``SAVED``) says which rows' projections
     the forward keeps; with none, the SwiGLU-backward tasks are ``recompute_cols`` wide.
     """
@@ -915,10 +915,10 @@ class FusedExpertsFunction(torch.autograd.Function):
 
     Saved between the two: the input (which autograd keeps for the caller anyway), the
     forward's int32 choices and fp32 routing weights (``8 K`` bytes per token), its fp32 router
-    logits (``4 E`` bytes per token), the gate and up
-    projections of the routed rows (:class:`SavedGateUp`: ``2I`` values per row, and an int32
-    slot per (source, token, choice)), those of the shared experts (``2 I_s`` values per token,
-    unless ``save_shared`` is off) and the weights themselves (no copies). Both SwiGLU
+    logits (``4 E`` bytes per token), the gate and up projections of the routed rows
+    (:class:`SavedGateUp`: ``2I`` values per row, and an int32 slot per (source, token,
+    choice)), those of the shared experts (``2 I_s`` values per token, unless ``save_shared``
+    is off) and the weights themselves (no copies). Both SwiGLU
     activations are recomputed from the projections; the shared experts' backward then runs
     six GEMMs instead of autograd's nine (three of them its forward again). Without their
     projections it recomputes their forward under autograd.
@@ -949,8 +949,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         # grad): no launch. Every rank of a world runs the same model, so all skip together.
         if need[0] or any(need[FusedExpertsFunction.ROUTED]):
             dx, d_router, d_gate_up, d_down = ctx.launcher.backward(
-                tokens, grad_out, top_e, top_w, SavedGateUp(kept, slots, ctx.saved_rows, logits=logits), router_weight,
-                gate_up_proj, down_proj,
+                tokens, grad_out, top_e, top_w, SavedGateUp(kept, slots, ctx.saved_rows, logits=logits),
+                router_weight, gate_up_proj, down_proj,
             )
             d_router = d_router.to(router_weight.dtype)
         d_shared = [None] * len(shared_weights)

@@ -242,9 +242,10 @@ class BackwardTiles:
     router_grad_cols: int = 64
     # BRK: tokens per step of the router-gradient reduction. 32 spills less than 64 (offline
     # sm_90, Triton 3.6, the whole kernel: 1,332 against 1,892 B at DeepSeek-V3 32 experts,
-    # 1,952 against 2,984 at 256), and at DeepSeek-V3 the GEMM tasks ran faster for it. H100 80GB, stop 33,
-    # forward+backward ms, 32 / 64 (variant router_depth64), one run each: DeepSeek-V3 32
-    # experts 20.81 / 21.14, 256 experts 40.26 / 41.22, Qwen3 16 experts 8.36 / 8.49.
+    # 1,952 against 2,984 at 256), and at DeepSeek-V3 the GEMM tasks ran faster for it. H100
+    # 80GB, stop 33, forward+backward ms, 32 / 64 (variant router_depth64), one run each:
+    # DeepSeek-V3 32 experts 20.81 / 21.14, 256 experts 40.26 / 41.22, Qwen3 16 experts 8.36 /
+    # 8.49.
     router_grad_depth: int = 32
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
@@ -298,8 +299,8 @@ class BackwardTiles:
 GPU_BACKWARD_TILES = BackwardTiles()
 # Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run.
 INTERPRETER_BACKWARD_TILES = BackwardTiles(
-    route_tokens=16, route_depth=16, route_cols=16, route_stages=1, dispatch_rows=16, dispatch_cols=32, rows=16, swiglu_cols=32,
-    recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16, router_grad_rows=16,
+    route_tokens=16, route_depth=16, route_cols=16, route_stages=1, dispatch_rows=16, dispatch_cols=32, rows=16,
+    swiglu_cols=32, recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16, router_grad_rows=16,
     router_grad_cols=16, router_grad_depth=16, fold_tokens=16,
     fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2, wgrad_stages=1,
 )
