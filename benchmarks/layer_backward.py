@@ -74,6 +74,10 @@ VARIANTS = {
     # The router-gradient reduction 64 tokens a step (the default until stop 33; 32 spills less).
     "router_depth64": _backward_tiles(router_grad_depth=64),
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
+    # 128 x 256 dx tiles beside the 128 x 256 weight-gradient tiles, which start each block
+    # with a dot without accumulator (BackwardTiles.wgrad_restart_dot; without it, C7512).
+    "dx_cols256_restart": _backward_tiles(dx_cols=256, wgrad_restart_dot=True),
+    "wgrad_restart": _backward_tiles(wgrad_restart_dot=True),
     # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),
 }

@@ -216,7 +216,7 @@ def expert_backward_kernel(
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
-    PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False,
+    PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_RESTART: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -583,7 +583,7 @@ def expert_backward_kernel(
                                                      d_down_ptr + e.to(tl.int64) * H * I),
                                             n_rows_e, mb * BWM, sb * WS, tl.where(gu, 2 * I, H), tl.where(gu, H, I),
                                             WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, (H % 16 == 0) & (I % 16 == 0),
-                                            WG_TMA, WG_TMA_STORE)
+                                            WG_TMA, WG_TMA_STORE, WG_RESTART)
                         did = 8
                         q = -1
                         kind = 0

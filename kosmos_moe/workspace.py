@@ -277,6 +277,12 @@ class BackwardTiles:
     # the H200 it made them slower (busy ms per worker, pointer loads vs TMA, DeepSeek-V3 rank
     # view: dx 3.74 vs 3.85, SwiGLU backward 2.26 vs 2.28; 256 experts: dx 6.22 vs 6.71).
     tile_tma: bool = False
+    # Each weight-gradient block's accumulator started by a dot without accumulator instead of
+    # a zeroing select (tile_gemm.row_reduction_strip's RESTART_DOT): frees the select's copy
+    # of the accumulator, so 256-column dx tiles fit beside 128 x 256 weight-gradient tiles
+    # without C7512 (offline sm_90, Triton 3.6), at the price of waiting for every wgmma of the
+    # weight-gradient loop. Off; untimed (layer_backward.py variant dx_cols256_restart).
+    wgrad_restart_dot: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -292,7 +298,8 @@ class BackwardTiles:
             BKW=self.wgrad_depth, BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip,
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
-            WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, num_warps=self.warps,
+            WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_RESTART=self.wgrad_restart_dot,
+            num_warps=self.warps,
         )
 
 

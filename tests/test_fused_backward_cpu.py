@@ -301,12 +301,12 @@ def test_rehearsal_covers_the_fused_step():
     run_world(2, check_rehearsal_covers_the_step, [(case, "none") for case in CASES], env=INTERPRET)
 
 
-def check_gemm_operands(rank, world, items, tma):
+def check_gemm_operands(rank, world, items, tma, restart_dot):
     import dataclasses
 
     from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
 
-    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma)
+    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma, wgrad_restart_dot=restart_dot)
     check_cases(rank, world, items, backward_tiles=tiles)
     _, fused = build(world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
@@ -315,12 +315,14 @@ def check_gemm_operands(rank, world, items, tma):
     assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is tma and consts["PROXY_FENCE"] is False
 
 
-@pytest.mark.parametrize("tma", [False, True], ids=["pointer_operands", "tma_operands"])
-def test_backward_gemm_operands(tma):
+@pytest.mark.parametrize("tma, restart_dot", [(False, True), (True, False)],
+                         ids=["pointer_operands_restart_dot", "tma_operands"])
+def test_backward_gemm_operands(tma, restart_dot):
     """The backward's GEMM operands by pointer loads (pre-Hopper GPUs, unaligned widths) and by
     TMA (the default here: the interpreter emulates it); the one_rank skew leaves the first
-    rank's experts without rows, whose weight gradients must be zeros."""
-    run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, env=INTERPRET)
+    rank's experts without rows, whose weight gradients must be zeros. The pointer run also
+    starts each weight-gradient block with a dot without accumulator (wgrad_restart_dot)."""
+    run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, restart_dot, env=INTERPRET)
 
 
 def check_kept_rows(rank, world, items, save_gate_up, save_shared):
