@@ -20,7 +20,9 @@
 #   variants         layer_backward.py --profile, DeepSeek-V3 32 experts, the default against
 #                    the backward variants: what it replaced at stops 32 and 33 (64-deep
 #                    router-gradient steps, an unpipelined route product, 128 x 128
-#                    weight-gradient tiles), dx_cols256, and the shared experts' recompute
+#                    weight-gradient tiles), dx_cols256, the shared experts' recompute, and
+#                    the untimed weight-gradient blocks started by a dot (with and without
+#                    256-column dx tiles)
 #   variants-full    the same at 256 experts, for the variants meant for few rows per expert
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   host-blocking    host_blocking.py (which host operations wait for running kernels), then the
@@ -46,9 +48,10 @@ run_stage() {
                           python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                               --out "$out/variants_forward.json" --variants default two_per_sm two_per_sm_rows64 ;;
         variants) python benchmarks/layer_backward.py --cases dsv3_rank --profile --out "$out/variants.json" \
-                      --variants default router_depth64 route_stages1 wgrad_cols128 dx_cols256 shared_recompute ;;
+                      --variants default router_depth64 route_stages1 wgrad_cols128 dx_cols256 shared_recompute \
+                          wgrad_restart dx_cols256_restart ;;
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
-                           --out "$out/variants_full.json" --variants default wgrad_tma_store wgrad_cols128 ;;
+                           --out "$out/variants_full.json" --variants default wgrad_restart dx_cols256_restart ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json"; first=$?; \
                            KOSMOS_SAMPLE_STACKS="$out/stacks" python -m pytest -q \
