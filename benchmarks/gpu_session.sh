@@ -24,6 +24,7 @@
 #                    the untimed weight-gradient blocks started by a dot (with and without
 #                    256-column dx tiles)
 #   variants-full    the same at 256 experts, for the variants meant for few rows per expert
+#                    and the 128 x 128 router-gradient tiles (most router work there)
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   host-blocking    host_blocking.py (which host operations wait for running kernels), then the
 #                    backward tests that stalled with a shared expert in emulated worlds (stop 28)
@@ -51,7 +52,8 @@ run_stage() {
                       --variants default router_depth64 route_stages1 wgrad_cols128 dx_cols256 shared_recompute \
                           wgrad_restart dx_cols256_restart ;;
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
-                           --out "$out/variants_full.json" --variants default wgrad_restart dx_cols256_restart ;;
+                           --out "$out/variants_full.json" --variants default wgrad_restart dx_cols256_restart \
+                               router_grad128 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json"; first=$?; \
                            KOSMOS_SAMPLE_STACKS="$out/stacks" python -m pytest -q \

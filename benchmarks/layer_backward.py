@@ -73,6 +73,10 @@ VARIANTS = {
     "dx_cols256": _backward_tiles(dx_cols=256, wgrad_cols=128, wgrad_stages=4),
     # The router-gradient reduction 64 tokens a step (the default until stop 33; 32 spills less).
     "router_depth64": _backward_tiles(router_grad_depth=64),
+    # 128 x 128 router-gradient tiles, which 32-token steps let compile without C7512 (they
+    # halved the router-weight time at 256 experts at stop 32, beside 128 x 128 weight-gradient
+    # tiles).
+    "router_grad128": _backward_tiles(router_grad_rows=128, router_grad_cols=128),
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
     # 128 x 256 dx tiles beside the 128 x 256 weight-gradient tiles, which start each block
     # with a dot without accumulator (BackwardTiles.wgrad_restart_dot; without it, C7512).

@@ -117,7 +117,9 @@ def shared_experts_backward(
     wg, wu, wd = (weights[f"{p}.weight"] for p in ("gate_proj", "up_proj", "down_proj"))
     want_g, want_u, want_d = (need.get(f"{p}.weight", False) for p in ("gate_proj", "up_proj", "down_proj"))
     grad_out = grad_out.to(x.dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
+    # Contiguous halves, as autograd's forward had them: on a CPU with AVX-512, silu of a
+    # strided view takes the scalar path for each row's tail, whose exp rounds differently.
+    gate, up = (half.contiguous() for half in gate_up.chunk(2, dim=-1))
     act = F.silu(gate)
     grads = {}
     if want_d:

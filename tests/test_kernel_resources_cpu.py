@@ -62,9 +62,10 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
 
 
 def test_register_starved_tiles_are_reported(tmp_path):
-    # The default 128 x 256 weight-gradient tiles beside 128 x 128 router-gradient tiles.
+    # The default 128 x 256 weight-gradient tiles beside 128 x 128 router-gradient tiles that
+    # reduce 64 tokens a step (32, the default, leaves room for them).
     done, report = run_tool(tmp_path, "--kernels", "backward", "--backward-tiles", "router_grad_rows=128",
-                            "router_grad_cols=128")
+                            "router_grad_cols=128", "router_grad_depth=64")
     assert done.returncode == 1 and "wgmma serialized (C7512)" in done.stdout, done.stdout[-3000:]
     assert report["kernels"]["backward"]["wgmma_serialized"] == ["C7512"]
 
