@@ -64,9 +64,10 @@ VARIANTS = {
 }
 
 # Weight-gradient tiles: (output rows, output columns, reduction depth, stages, column blocks
-# per strip, warps, operands by TMA, blocks stored by TMA). The fused backward's
-# (GPU_BACKWARD_TILES' wgrad_* fields) are cols256 since stop 32, cols128 before; the others
-# change one thing of cols128.
+# per strip, warps, operands by TMA, blocks stored by TMA, each block started by a dot without
+# accumulator). The fused backward's (GPU_BACKWARD_TILES' wgrad_* fields) are cols256 since
+# stop 32, cols128 before; the other cols128-sized ones change one thing of cols128, and
+# cols256_restart one thing of cols256.
 WGRAD_VARIANTS = {
     "cols128": (128, 128, 64, 4, 16, 8, True, False, False),
     "pointers": (128, 128, 64, 4, 16, 8, False, False, False),

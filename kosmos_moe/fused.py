@@ -169,10 +169,10 @@ class SavedGateUp:
     (:func:`kosmos_moe.experts.shared_experts_backward`) takes its gradients without
     redoing their forward.
 
-    ``logits`` ``[T, E]`` fp32 are the router's logits of the source rank's tokens, which the
-    backward's route-backward tasks read instead of redoing the router GEMM (``4 E`` bytes
-    per token; redoing it took most of those tasks' time, and reread the router weight once
-    per ``route_tokens`` tokens).
+    ``logits`` ``[max(T, 1), E]`` fp32 are the router's logits of the source rank's tokens
+    (nothing is written with no tokens), which the backward's route-backward tasks read
+    instead of redoing the router GEMM (``4 E`` bytes per token; redoing it took most of those
+    tasks' time, and reread the router weight once per ``route_tokens`` tokens).
     """
 
     values: torch.Tensor
@@ -825,13 +825,8 @@ class FusedBackward(_PersistentLaunch):
         saved: SavedGateUp, router_weight: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Return ``(grad_x, grad_router_weight (fp32), grad_gate_up_proj, grad_down_proj)``."""
-        if saved.logits is None or saved.logits.shape != (max(tokens.shape[0], 1), self.config.num_experts):
-            raise ValueError(
-                f"the backward needs the forward's fp32 router logits [{tokens.shape[0]}, {self.config.num_experts}] "
-                f"(SavedGateUp.logits, kept by a training forward), got "
-                f"{None if saved.logits is None else tuple(saved.logits.shape)}")
         self.raise_if_failed(block=False)
-        problem = self._token_problem(tokens)
+        problem = self._token_problem(tokens) or self._logits_problem(tokens, saved)
         n, hidden = tokens.shape
         self.prepare(tokens.dtype)
         if problem is not None:
@@ -856,6 +851,16 @@ class FusedBackward(_PersistentLaunch):
                      d_router, d_gate_up, d_down, warmup=False)
         self._watch()
         return dx[:n], d_router, d_gate_up, d_down
+
+    def _logits_problem(self, tokens: torch.Tensor, saved: SavedGateUp) -> str | None:
+        """Why ``saved`` lacks the router logits this call reads (see :class:`SavedGateUp`), or None."""
+        want = (max(tokens.shape[0], 1), self.config.num_experts)
+        logits = saved.logits
+        if logits is not None and tuple(logits.shape) == want and logits.dtype == torch.float32:
+            return None
+        got = None if logits is None else f"{tuple(logits.shape)} {logits.dtype}"
+        return (f"the backward reads the forward's fp32 router logits, {want} (SavedGateUp.logits, kept by a "
+                f"training forward); got {got}")
 
     def warm_up(self, x: torch.Tensor, layer: nn.Module) -> None:
         """Compile and load the backward kernel for this layer's tensors (see FusedForward._warm_up)."""

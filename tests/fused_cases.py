@@ -87,7 +87,8 @@ CASES = {
 
 # Edge shapes, world 1 (tests/test_fused_backward_cpu.py::test_edge_shapes): one expert; every
 # expert chosen; sizes of 1, 3, 5, 7 and around a 16-wide tile; one expert per routing group
-# with three shared experts; more workers than tiles. (A top-1 choice with normalised weights
+# with three shared experts; more workers than tiles; 40 experts, which the route backward's
+# d logits @ Wr takes in 16-expert steps (the interpreter's route_depth), the last one past E. (A top-1 choice with normalised weights
 # has a router gradient of exactly zero, which the kernel returns and the reference misses by
 # rounding noise: the relative tolerances cannot judge it, so no case here has one.)
 EDGE_CASES = {
@@ -101,6 +102,10 @@ EDGE_CASES = {
         counts=[1], workers=2),
     "width_one": dict(shape=dict(hidden_size=1, moe_intermediate_size=33, num_experts=3, top_k=2,
                                  num_shared_experts=1), counts=[16], workers=3),
+    "forty_experts": dict(
+        shape=dict(hidden_size=20, moe_intermediate_size=12, num_experts=40, top_k=4, router="sigmoid_group",
+                   n_group=4, topk_group=2, routed_scaling_factor=2.5),
+        counts=[21], workers=2),
 }
 ALL_CASES = {**CASES, **EDGE_CASES}
 

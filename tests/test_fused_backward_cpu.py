@@ -520,8 +520,10 @@ def test_saved_bytes_per_token(world, save_shared):
 
 def check_kept_logits(rank, world, case):
     """A training forward's route tiles keep the fp32 router logits of this rank's tokens,
-    which the backward reads instead of redoing the router GEMM; a backward handed none, or
-    logits of another shape, refuses before it launches."""
+    which the backward reads instead of redoing the router GEMM. A backward handed none, or
+    logits of another shape, is refused as a call with too many tokens is: after the first
+    call's collectives, and in a world of several ranks the layer stays failed."""
+    from kosmos_moe import ExpertLayerTimeout
     from kosmos_moe.fused import SavedGateUp
 
     spec = CASES[case]
@@ -534,15 +536,25 @@ def check_kept_logits(rank, world, case):
     torch.testing.assert_close(saved.logits, x @ fused.gate.weight.float().T, rtol=1e-5, atol=1e-5)
     weights = (fused.gate.weight, fused.experts.gate_up_proj, fused.experts.down_proj)
     g = torch.ones_like(out)
-    for logits in (None, saved.logits[:, 1:]):
+
+    def backward(logits):
+        return launcher.backward(x, g, top_e, top_w,
+                                 SavedGateUp(saved.values, saved.slots, saved.rows, logits=logits), *weights)
+
+    with pytest.raises(ValueError, match="router logits"):
+        backward(None)
+    if world == 1:
         with pytest.raises(ValueError, match="router logits"):
-            launcher.backward(x, g, top_e, top_w, SavedGateUp(saved.values, saved.slots, saved.rows, logits=logits),
-                              *weights)
-    launcher.backward(x, g, top_e, top_w, saved, *weights)  # the peers' backward joins this one
+            backward(saved.logits[:, 1:])
+        backward(saved.logits)  # one rank only refuses the call
+    else:
+        with pytest.raises(ExpertLayerTimeout, match="refused a backward call"):
+            backward(saved.logits)
 
 
-def test_training_forward_keeps_router_logits():
-    run_world(2, check_kept_logits, "sigmoid_group", env=INTERPRET)
+@pytest.mark.parametrize("world", [1, 2])
+def test_training_forward_keeps_router_logits(world):
+    run_world(world, check_kept_logits, "sigmoid_group", env=INTERPRET)
 
 
 def check_only_shared_trains(rank, world, case):
