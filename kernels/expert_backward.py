@@ -365,8 +365,9 @@ def expert_backward_kernel(
                     if tl.sum(((got != TOP_K) & tok_ok).to(tl.int32), axis=0) == 0:
                         tl.debug_barrier()
                         t64 = toks.to(tl.int64)
-                        logits = tl.load(logits_ptr + t64[:, None] * E + e_idx[None, :],
-                                         mask=tok_ok[:, None] & (e_idx < E)[None, :], other=0.0)
+                        te = t64[:, None] * E + e_idx[None, :]  # [BT, E] rows: the logits' and d logits'
+                        te_ok = tok_ok[:, None] & (e_idx < E)[None, :]
+                        logits = tl.load(logits_ptr + te, mask=te_ok, other=0.0)
                         ok = tok_ok[:, None] & (kk < TOP_K)[None, :]
                         ent = toks[:, None] * TOP_K + kk[None, :]
                         experts = tl.load(topk_e_ptr + ent, mask=ok, other=0)
@@ -374,9 +375,7 @@ def expert_backward_kernel(
                         d_w = tl.load(dw_comb + ent, mask=ok, other=0.0)
                         d_logits = routing_backward(logits, experts, weights, d_w, scale, E, E_PAD, TOP_K, K_PAD,
                                                     SIGMOID_GROUP, NORM_TOPK)
-                        d_logits = tl.where(tok_ok[:, None], d_logits, 0.0)
-                        tl.store(dlogits + t64[:, None] * E + e_idx[None, :], d_logits,
-                                 mask=tok_ok[:, None] & (e_idx < E)[None, :])
+                        tl.store(dlogits + te, d_logits, mask=te_ok)
                         # d logits @ Wr, BKE experts a step, read back from where they were just
                         # stored (one block's stores are visible to it after a barrier): holding the
                         # [BT, E] tile in registers across the loop spilled inside it at 256

@@ -443,16 +443,17 @@ def expert_forward_kernel(
                     n_rows = tl.minimum(n_tokens - t0, BT)
                     logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
                                            H, E, BT, E_PAD, BK_R, ROUTER_PRECISION)
+                    toks = t0 + tl.arange(0, BT)
+                    tok_ok = tl.arange(0, BT) < n_rows
                     if save_logits:
                         ecols = tl.arange(0, E_PAD)
-                        tl.store(logits_ptr + (t0 + tl.arange(0, BT)).to(tl.int64)[:, None] * E + ecols[None, :],
-                                 logits, mask=(tl.arange(0, BT) < n_rows)[:, None] & (ecols < E)[None, :])
+                        tl.store(logits_ptr + toks.to(tl.int64)[:, None] * E + ecols[None, :], logits,
+                                 mask=tok_ok[:, None] & (ecols < E)[None, :])
                     experts, weights = top_k_routing(logits, bias_ptr, scale, E, E_PAD, TOP_K,
                                                      SIGMOID_GROUP, N_GROUP, TOPK_GROUP, G_PAD,
                                                      K_PAD, NORM_TOPK)
-                    toks = t0 + tl.arange(0, BT)
                     kk = tl.arange(0, K_PAD)
-                    ok = (tl.arange(0, BT) < n_rows)[:, None] & (kk < TOP_K)[None, :]
+                    ok = tok_ok[:, None] & (kk < TOP_K)[None, :]
                     ent = toks[:, None] * TOP_K + kk[None, :]
                     tl.store(ctl + C_TOPK_E + ent, experts, mask=ok)
                     tl.store(topk_w + ent, weights, mask=ok)

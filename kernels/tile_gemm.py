@@ -389,11 +389,11 @@ def row_reduction_strip(
     ``out``: the copy engine takes the block from shared memory while the loop goes on.
 
     A block's accumulator starts from zero: by default a select after the block's store (on
-    sm_90 Triton 3.6 keeps a copy of the whole accumulator for it, 128 more registers at
-    128 x 256); with ``RESTART_DOT``, the block's first step is a dot without accumulator.
-    Offline (sm_90, Triton 3.6) that frees those registers (the fused backward's spills fall
-    from 1,332 to 460 B, DeepSeek-V3 one-rank view, and 256-column dx tiles then compile
-    without C7512) but the loop's wgmma are each waited for.
+    sm_90, Triton 3.6, it seems to cost a copy of the whole accumulator); with
+    ``RESTART_DOT``, the block's first step is a dot without accumulator. Offline (sm_90,
+    Triton 3.6) that frees registers (the fused backward's spills fall from 1,332 to 460 B,
+    DeepSeek-V3 one-rank view, and 256-column dx tiles then compile without C7512) but the
+    loop's wgmma are each waited for.
     """
     if ALIGNED:
         M_DIM = tl.multiple_of(M_DIM, 16)
@@ -435,13 +435,14 @@ def row_reduction_strip(
                 at = tl.load(a_ptr + r64 * M_DIM + mcols[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
                 b = tl.load(b_ptr + r64 * N_DIM + ncols[None, :], mask=row_ok[:, None] & (ncols < N_DIM)[None, :],
                             other=0.0)
+            a_op, b_op = tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE)
             if RESTART_DOT:
                 if s == 0:
-                    acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE))
+                    acc = tl.dot(a_op, b_op)
                 else:
-                    acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
+                    acc = tl.dot(a_op, b_op, acc)
             else:
-                acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE), acc)
+                acc = tl.dot(a_op, b_op, acc)
             if s == steps - 1:
                 if TMA and TMA_STORE:
                     o_desc.store([m0, blk * BN], acc.to(out_ptr.dtype.element_ty))

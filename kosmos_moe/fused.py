@@ -845,7 +845,6 @@ class FusedBackward(_PersistentLaunch):
             tokens, grad_out = dx, dx
             top_e = torch.zeros(1, c.top_k, dtype=torch.int32, device=dx.device)
             top_w = torch.zeros(1, c.top_k, dtype=torch.float32, device=dx.device)
-            saved = dataclasses.replace(saved, logits=top_w)
         self._after_other_streams()
         self._launch(tokens, grad_out, dx, top_e, top_w, n, saved, router_weight, gate_up_proj, down_proj,
                      d_router, d_gate_up, d_down, warmup=False)
