@@ -64,10 +64,10 @@ VARIANTS = {
 }
 
 # Weight-gradient tiles: (output rows, output columns, reduction depth, stages, column blocks
-# per strip, warps, operands by TMA, blocks stored by TMA, each block started by a dot without
-# accumulator). The fused backward's (GPU_BACKWARD_TILES' wgrad_* fields) are cols256 since
-# stop 32, cols128 before; the other cols128-sized ones change one thing of cols128, and
-# cols256_restart one thing of cols256.
+# per strip, warps, operands by TMA, blocks stored by TMA, each block its own loop instead of
+# one flat loop over the strip). The fused backward's (GPU_BACKWARD_TILES' wgrad_* fields) are
+# cols256 since stop 32, cols128 before; the other cols128-sized ones change one thing of
+# cols128, and cols256_block_loops one thing of cols256.
 WGRAD_VARIANTS = {
     "cols128": (128, 128, 64, 4, 16, 8, True, False, False),
     "pointers": (128, 128, 64, 4, 16, 8, False, False, False),
@@ -77,7 +77,7 @@ WGRAD_VARIANTS = {
     "cols256_pointers": (128, 256, 64, 3, 16, 8, False, False, False),
     "strip4": (128, 128, 64, 4, 4, 8, True, False, False),
     "tma_store": (128, 128, 64, 4, 16, 8, True, True, False),
-    "cols256_restart": (128, 256, 64, 3, 16, 8, True, False, True),
+    "cols256_block_loops": (128, 256, 64, 3, 16, 8, True, False, True),
 }
 
 
@@ -172,7 +172,8 @@ def _down_grid_tma(h_ptr, h_desc, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr,
 @triton.jit
 def _wgrad_grid(a_ptr, b_ptr, out_ptr, row_start_ptr, counts_ptr, M_DIM, N_DIM, n_m, n_s,
                 STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
-                DOT_DTYPE: tl.constexpr, TMA: tl.constexpr, TMA_STORE: tl.constexpr, RESTART: tl.constexpr):
+                DOT_DTYPE: tl.constexpr, TMA: tl.constexpr, TMA_STORE: tl.constexpr,
+                BLOCK_LOOPS: tl.constexpr):
     """``out[e, m-block, strip] = a[rows of e, m-block]^T @ b[rows of e, strip]``, in the fused
     backward's task order (expert, row block, strip)."""
     pid = tl.program_id(0)
@@ -182,13 +183,13 @@ def _wgrad_grid(a_ptr, b_ptr, out_ptr, row_start_ptr, counts_ptr, M_DIM, N_DIM, 
     r0 = tl.load(row_start_ptr + e).to(tl.int64)
     row_reduction_strip(a_ptr + r0 * M_DIM, b_ptr + r0 * N_DIM, out_ptr + e.to(tl.int64) * M_DIM * N_DIM,
                         tl.load(counts_ptr + e), mb * BM, sb * STRIP, M_DIM, N_DIM, STRIP, BM, BN, BK, DOT_DTYPE,
-                        STAGES, (M_DIM % 16 == 0) & (N_DIM % 16 == 0), TMA, TMA_STORE, RESTART)
+                        STAGES, (M_DIM % 16 == 0) & (N_DIM % 16 == 0), TMA, TMA_STORE, BLOCK_LOOPS)
 
 
 def wgrad_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, variant: tuple,
                  dot_dtype=tl.bfloat16):
     """A launcher of ``_wgrad_grid`` over expert-major rows ``a`` [R, M] and ``b`` [R, N] into ``out`` [E, M, N]."""
-    bm, bn, bk, stages, strip, warps, tma, tma_store, restart = variant
+    bm, bn, bk, stages, strip, warps, tma, tma_store, block_loops = variant
     M, N = a.shape[1], b.shape[1]
     n_m, n_s = triton.cdiv(M, bm), triton.cdiv(triton.cdiv(N, bn), strip)
     starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
@@ -199,7 +200,7 @@ def wgrad_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, counts: to
 
         ensure_triton_allocator()
     return lambda: _wgrad_grid[grid](a, b, out, starts, counts, M, N, n_m, n_s, strip, bm, bn, bk, stages, dot_dtype,
-                                     tma, tma_store, restart, num_warps=warps)
+                                     tma, tma_store, block_loops, num_warps=warps)
 
 
 def tiles_of(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

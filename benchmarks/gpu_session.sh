@@ -17,14 +17,13 @@
 #   variants-forward layer_forward.py on the four EP=1 cases, the default against the forward
 #                    variants last timed (two workers per SM, the README's table), after the
 #                    GPU tests of those tiles
-#   variants         layer_backward.py --profile, DeepSeek-V3 32 experts, the default against
-#                    the backward variants: what it replaced at stops 32 and 33 (64-deep
-#                    router-gradient steps, an unpipelined route product, 128 x 128
-#                    weight-gradient tiles), dx_cols256, the shared experts' recompute, and
-#                    the untimed weight-gradient blocks started by a dot (with and without
-#                    256-column dx tiles)
-#   variants-full    the same at 256 experts, for the variants meant for few rows per expert
-#                    and the 128 x 128 router-gradient tiles (most router work there)
+#   variants         layer_backward.py --profile, DeepSeek-V3 32 experts and Qwen3 16 experts,
+#                    the default against the untimed per-block weight-gradient loops (alone,
+#                    with 256-column dx tiles, with 256-column dx and SwiGLU-backward tiles)
+#                    and dx_cols256 (256-column dx tiles beside 128 x 128 weight-gradient ones)
+#   variants-full    the same at DeepSeek-V3 256 experts (two row steps per weight-gradient
+#                    block, where a loop per block costs most), and the 128 x 128
+#                    router-gradient tiles (most router work there)
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   host-blocking    host_blocking.py (which host operations wait for running kernels), then the
 #                    backward tests that stalled with a shared expert in emulated worlds (stop 28)
@@ -48,12 +47,12 @@ run_stage() {
         variants-forward) python -m pytest -q tests/test_fused_gpu.py -k "two_workers_per_sm or residency" && \
                           python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                               --out "$out/variants_forward.json" --variants default two_per_sm two_per_sm_rows64 ;;
-        variants) python benchmarks/layer_backward.py --cases dsv3_rank --profile --out "$out/variants.json" \
-                      --variants default router_depth64 route_stages1 wgrad_cols128 dx_cols256 shared_recompute \
-                          wgrad_restart dx_cols256_restart ;;
+        variants) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank --profile \
+                      --out "$out/variants.json" \
+                      --variants default dx_cols256 wgrad_block_loops block_loops_dx256 block_loops_wide ;;
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
-                           --out "$out/variants_full.json" --variants default wgrad_restart dx_cols256_restart \
-                               router_grad128 ;;
+                           --out "$out/variants_full.json" --variants default wgrad_block_loops block_loops_dx256 \
+                               block_loops_wide router_grad128 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json"; first=$?; \
                            KOSMOS_SAMPLE_STACKS="$out/stacks" python -m pytest -q \

@@ -78,10 +78,12 @@ VARIANTS = {
     # tiles).
     "router_grad128": _backward_tiles(router_grad_rows=128, router_grad_cols=128),
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
-    # 128 x 256 dx tiles beside the 128 x 256 weight-gradient tiles, which start each block
-    # with a dot without accumulator (BackwardTiles.wgrad_restart_dot; without it, C7512).
-    "dx_cols256_restart": _backward_tiles(dx_cols=256, wgrad_restart_dot=True),
-    "wgrad_restart": _backward_tiles(wgrad_restart_dot=True),
+    # Each weight-gradient block its own pipelined loop (BackwardTiles.wgrad_block_loops), and
+    # beside it the 256-column dx and SwiGLU-backward tiles that the flat strip loop keeps out
+    # (C7512, offline sm_90, Triton 3.6).
+    "wgrad_block_loops": _backward_tiles(wgrad_block_loops=True),
+    "block_loops_dx256": _backward_tiles(wgrad_block_loops=True, dx_cols=256),
+    "block_loops_wide": _backward_tiles(wgrad_block_loops=True, dx_cols=256, swiglu_cols=256),
     # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),
 }

@@ -159,15 +159,24 @@ def kept_half_epilogue(dh1, kept, wgt, r64, row_ok, n0, hw, dgu, I: tl.constexpr
 @triton.jit
 def kept_swiglu_backward(
     g_ptr, n_rows, w_down_ptr, kept, wgt, r64, row_ok, n0, hw, dgu,
-    H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_EPI: tl.constexpr,
+    BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
 ):
     """A SwiGLU-backward tile whose rows' gate and up projections the forward kept (``kept``:
     one pointer per row): ``dh' = g @ Wd[:, n0:n0+BN]`` is its only GEMM. The epilogue runs in
     two column halves, so that fewer whole tiles are live at once (offline sm_90: 2,796 ->
-    784 B of spills, H200: 2.94 -> 2.24 ms busy per worker, DeepSeek-V3 one-rank view)."""
+    784 B of spills, H200: 2.94 -> 2.24 ms busy per worker, DeepSeek-V3 one-rank view), or in
+    quarters where a quarter is still ``BN_EPI`` columns wide (256-column tiles beside per-block
+    weight-gradient loops: 776 B of spills against 1,668 in halves)."""
     dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA)
     lo, hi = column_halves(dh1, BM, BN // 2)
+    if BN >= 4 * BN_EPI:
+        q0, q1 = column_halves(lo, BM, BN // 4)
+        part = kept_half_epilogue(q0, kept, wgt, r64, row_ok, n0, hw, dgu, I, BN // 4)
+        part += kept_half_epilogue(q1, kept, wgt, r64, row_ok, n0 + BN // 4, hw, dgu, I, BN // 4)
+        q2, q3 = column_halves(hi, BM, BN // 4)
+        part += kept_half_epilogue(q2, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 4)
+        return part + kept_half_epilogue(q3, kept, wgt, r64, row_ok, n0 + 3 * BN // 4, hw, dgu, I, BN // 4)
     part = kept_half_epilogue(lo, kept, wgt, r64, row_ok, n0, hw, dgu, I, BN // 2)
     return part + kept_half_epilogue(hi, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 2)
 
@@ -208,15 +217,16 @@ def expert_backward_kernel(
     B_RECV_X: tl.constexpr, B_RECV_G: tl.constexpr, B_HW: tl.constexpr, B_DGU: tl.constexpr,
     B_COMB: tl.constexpr,
     BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr,
-    BN_DH: tl.constexpr, BN_RC: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr, BKW: tl.constexpr, BWM: tl.constexpr,
-    BWN: tl.constexpr, WS: tl.constexpr, BRM: tl.constexpr, BRN: tl.constexpr, BRK: tl.constexpr, BHR: tl.constexpr,
+    BN_DH: tl.constexpr, BN_EPI: tl.constexpr, BN_RC: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr,
+    BKW: tl.constexpr, BWM: tl.constexpr, BWN: tl.constexpr, WS: tl.constexpr, BRM: tl.constexpr, BRN: tl.constexpr,
+    BRK: tl.constexpr, BHR: tl.constexpr,
     BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
     DX_STAGES: tl.constexpr, WG_STAGES: tl.constexpr, RB_STAGES: tl.constexpr,
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
-    PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_RESTART: tl.constexpr = False,
+    PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -437,14 +447,15 @@ def expert_backward_kernel(
                         g_rows = recv_g + row0.to(tl.int64) * H
                         if SAVED == SAVED_ALL:
                             part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw,
-                                                        dgu, H, I, BM, BN_DH, BK, DOT_DTYPE, DX_STAGES, TILE_TMA)
+                                                        dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
+                                                        TILE_TMA)
                         else:
                             use_kept = False
                             if SAVED == SAVED_SOME:
                                 use_kept = (tl.max(tl.where(row_ok, fwd, 0), axis=0) < save_cap) & (save_cap > 0)
                             if use_kept:
                                 part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
-                                                            hw, dgu, H, I, BM, BN_DH, BK, DOT_DTYPE, DX_STAGES,
+                                                            hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
                                                             TILE_TMA)
                             else:
                                 w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
@@ -582,7 +593,7 @@ def expert_backward_kernel(
                                                      d_down_ptr + e.to(tl.int64) * H * I),
                                             n_rows_e, mb * BWM, sb * WS, tl.where(gu, 2 * I, H), tl.where(gu, H, I),
                                             WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, (H % 16 == 0) & (I % 16 == 0),
-                                            WG_TMA, WG_TMA_STORE, WG_RESTART)
+                                            WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS)
                         did = 8
                         q = -1
                         kind = 0

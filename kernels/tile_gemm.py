@@ -358,21 +358,55 @@ def _store_block(out_ptr, mcols, m_ok, ncols, N_DIM, block):
 
 
 @triton.jit
+def _strip_operands(a_ptr, b_ptr, a_desc, b_desc, n_rows, m0, mcols, m_ok, s, blk, M_DIM, N_DIM,
+                    BN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, TMA: tl.constexpr):
+    """Row step ``s`` of column block ``blk``: ``a[rows, m-block]^T`` and ``b[rows, n-block]``."""
+    if TMA:
+        at = a_desc.load([s * BK, m0])
+        b = b_desc.load([s * BK, blk * BN])
+    else:
+        rows = s * BK + tl.arange(0, BK)
+        row_ok = rows < n_rows
+        r64 = rows.to(tl.int64)[:, None]
+        ncols = blk * BN + tl.arange(0, BN)
+        at = tl.load(a_ptr + r64 * M_DIM + mcols[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + r64 * N_DIM + ncols[None, :], mask=row_ok[:, None] & (ncols < N_DIM)[None, :], other=0.0)
+    return tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE)
+
+
+@triton.jit
+def _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN: tl.constexpr, TMA_STORE: tl.constexpr):
+    if TMA_STORE:
+        o_desc.store([m0, blk * BN], acc.to(out_ptr.dtype.element_ty))
+    else:
+        _store_block(out_ptr, mcols, m_ok, blk * BN + tl.arange(0, BN), N_DIM, acc)
+
+
+@triton.jit
 def row_reduction_strip(
     a_ptr, b_ptr, out_ptr, n_rows, m0, blk0, M_DIM, N_DIM,
     STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ALIGNED: tl.constexpr, TMA: tl.constexpr = False,
-    TMA_STORE: tl.constexpr = False, RESTART_DOT: tl.constexpr = False,
+    TMA_STORE: tl.constexpr = False, BLOCK_LOOPS: tl.constexpr = False,
 ):
     """``out[m0:m0+BM, n-block] = a[:n_rows, m0:m0+BM]^T @ b[:n_rows, n-block]`` for ``STRIP``
     consecutive ``BN``-column blocks from ``blk0`` (fewer at the right edge).
 
     ``a`` ``[n_rows, M_DIM]``, ``b`` ``[n_rows, N_DIM]`` and ``out`` ``[M_DIM, N_DIM]`` are
-    row-major. Each block reduces over the rows in order (deterministic). The blocks and their
-    row steps run as one flat loop so the software pipeline carries across block boundaries:
-    the next block's first loads are in flight during this block's store. Per-block loops
-    each paid a pipeline fill and a drain, which at one or two row steps per block (256
+    row-major. Each block reduces over the rows in order (deterministic). By default the blocks
+    and their row steps run as one flat loop so the software pipeline carries across block
+    boundaries: the next block's first loads are in flight during this block's store. Per-block
+    loops each pay a pipeline fill and a drain, which at one or two row steps per block (256
     experts, ~128 rows each) cost more than the block's math. ``n_rows == 0`` writes zeros.
+
+    The flat loop starts each block's accumulator from zero with a select after the block's
+    store, and in the fused backward (sm_90, Triton 3.6) it is what holds registers: beside it
+    no other 256-column tile compiles without ptxas serializing the kernel's wgmma (C7512).
+    ``BLOCK_LOOPS`` runs each block as its own pipelined loop instead: offline, the backward's
+    spills fall from 1,332 to 304 B (DeepSeek-V3 one-rank view) and 256-column dx and
+    SwiGLU-backward tiles compile beside it, every wgmma loop keeping one in flight. (The
+    per-block reductions that once made ptxas serialize the kernel's wgmma, C7515, were laid
+    out otherwise: two loops, one per gradient, into one accumulator zeroed before both.)
 
     The widths are run-time values, so that the backward's two weight gradients share one
     loop (one set of pipeline buffers in shared memory); ``ALIGNED`` says that both are
@@ -387,13 +421,6 @@ def row_reduction_strip(
     A descriptor cannot have zero rows: ``n_rows == 0`` stores the zeros directly.
     ``TMA_STORE`` (with ``TMA``) also writes each finished block through a descriptor over
     ``out``: the copy engine takes the block from shared memory while the loop goes on.
-
-    A block's accumulator starts from zero: by default a select after the block's store (on
-    sm_90, Triton 3.6, it seems to cost a copy of the whole accumulator); with
-    ``RESTART_DOT``, the block's first step is a dot without accumulator. Offline (sm_90,
-    Triton 3.6) that frees registers (the fused backward's spills fall from 1,332 to 460 B,
-    DeepSeek-V3 one-rank view, and 256-column dx tiles then compile without C7512) but the
-    loop's wgmma are each waited for.
     """
     if ALIGNED:
         M_DIM = tl.multiple_of(M_DIM, 16)
@@ -405,48 +432,39 @@ def row_reduction_strip(
     n_blocks = tl.minimum(tl.cdiv(N_DIM, BN) - blk0, STRIP)
     mcols = m0 + tl.arange(0, BM)
     m_ok = mcols < M_DIM
-    rr = tl.arange(0, BK)
-    nn = tl.arange(0, BN)
     zeros_only = False
     if TMA:
         zeros_only = n_rows == 0
     if zeros_only:
         for blk in range(blk0, blk0 + n_blocks):
-            _store_block(out_ptr, mcols, m_ok, blk * BN + nn, N_DIM, tl.zeros([BM, BN], dtype=tl.float32))
+            _store_block(out_ptr, mcols, m_ok, blk * BN + tl.arange(0, BN), N_DIM,
+                         tl.zeros([BM, BN], dtype=tl.float32))
     else:
+        a_desc = a_ptr
+        b_desc = b_ptr
+        o_desc = out_ptr
         if TMA:
             a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M_DIM], strides=[M_DIM, 1], block_shape=[BK, BM])
             b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N_DIM], strides=[N_DIM, 1], block_shape=[BK, BN])
             if TMA_STORE:
                 o_desc = tl.make_tensor_descriptor(out_ptr, shape=[M_DIM, N_DIM], strides=[N_DIM, 1],
                                                    block_shape=[BM, BN])
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for i in tl.range(0, n_blocks * steps, num_stages=STAGES):
-            blk = blk0 + i // steps
-            s = i % steps
-            ncols = blk * BN + nn
-            if TMA:
-                at = a_desc.load([s * BK, m0])
-                b = b_desc.load([s * BK, blk * BN])
-            else:
-                rows = s * BK + rr
-                row_ok = rows < n_rows
-                r64 = rows.to(tl.int64)[:, None]
-                at = tl.load(a_ptr + r64 * M_DIM + mcols[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
-                b = tl.load(b_ptr + r64 * N_DIM + ncols[None, :], mask=row_ok[:, None] & (ncols < N_DIM)[None, :],
-                            other=0.0)
-            a_op, b_op = tl.trans(at.to(DOT_DTYPE)), b.to(DOT_DTYPE)
-            if RESTART_DOT:
-                if s == 0:
-                    acc = tl.dot(a_op, b_op)
-                else:
+        if BLOCK_LOOPS:
+            for blk in range(blk0, blk0 + n_blocks):
+                acc = tl.zeros([BM, BN], dtype=tl.float32)
+                for s in tl.range(0, steps, num_stages=STAGES):
+                    a_op, b_op = _strip_operands(a_ptr, b_ptr, a_desc, b_desc, n_rows, m0, mcols, m_ok, s, blk,
+                                                 M_DIM, N_DIM, BN, BK, DOT_DTYPE, TMA)
                     acc = tl.dot(a_op, b_op, acc)
-            else:
+                _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN, TMA and TMA_STORE)
+        else:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+            for i in tl.range(0, n_blocks * steps, num_stages=STAGES):
+                blk = blk0 + i // steps
+                s = i % steps
+                a_op, b_op = _strip_operands(a_ptr, b_ptr, a_desc, b_desc, n_rows, m0, mcols, m_ok, s, blk,
+                                             M_DIM, N_DIM, BN, BK, DOT_DTYPE, TMA)
                 acc = tl.dot(a_op, b_op, acc)
-            if s == steps - 1:
-                if TMA and TMA_STORE:
-                    o_desc.store([m0, blk * BN], acc.to(out_ptr.dtype.element_ty))
-                else:
-                    _store_block(out_ptr, mcols, m_ok, ncols, N_DIM, acc)
-                if not RESTART_DOT:
+                if s == steps - 1:
+                    _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN, TMA and TMA_STORE)
                     acc = tl.zeros([BM, BN], dtype=tl.float32)

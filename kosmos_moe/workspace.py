@@ -217,6 +217,9 @@ class BackwardTiles:
     # 3.50 at 64). A task that redoes the projections (three accumulators) runs as sub-tiles
     # of recompute_cols: 128 there makes ptxas serialize the kernel's wgmma (C7512).
     swiglu_cols: int = 128
+    # The kept-projection SwiGLU-backward epilogue runs in column halves, or in quarters where a
+    # quarter is this wide (256-column tiles).
+    swiglu_epilogue_cols: int = 64
     recompute_cols: int = 64
     # BN of the dx tiles. 256 would not compile beside 128 x 256 weight-gradient tiles without
     # wgmma serialization (C7512); beside 128 x 128 ones it ran the dx tiles 22% faster but the
@@ -279,12 +282,13 @@ class BackwardTiles:
     # the H200 it made them slower (busy ms per worker, pointer loads vs TMA, DeepSeek-V3 rank
     # view: dx 3.74 vs 3.85, SwiGLU backward 2.26 vs 2.28; 256 experts: dx 6.22 vs 6.71).
     tile_tma: bool = False
-    # Each weight-gradient block's accumulator started by a dot without accumulator instead of
-    # a zeroing select (tile_gemm.row_reduction_strip's RESTART_DOT): frees the select's copy
-    # of the accumulator, so 256-column dx tiles fit beside 128 x 256 weight-gradient tiles
-    # without C7512 (offline sm_90, Triton 3.6), at the price of waiting for every wgmma of the
-    # weight-gradient loop. Off; untimed (layer_backward.py variant dx_cols256_restart).
-    wgrad_restart_dot: bool = False
+    # Each weight-gradient block its own pipelined loop instead of one flat loop over the
+    # strip's blocks and row steps (tile_gemm.row_reduction_strip's BLOCK_LOOPS). Offline (sm_90,
+    # Triton 3.6, DeepSeek-V3 one-rank view) the kernel's spills fall from 1,332 to 304 B and
+    # 256-column dx and SwiGLU-backward tiles compile beside it without C7512; each block then
+    # pays a pipeline fill and drain. Off; untimed (layer_backward.py variants wgrad_block_loops,
+    # block_loops_dx256, block_loops_wide).
+    wgrad_block_loops: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -296,11 +300,12 @@ class BackwardTiles:
         """The backward kernel's tile constants (``num_warps`` included)."""
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols,
-            BM=self.rows, BN_DH=self.swiglu_cols, BN_RC=self.recompute_cols, BN_DX=self.dx_cols, BK=self.depth,
+            BM=self.rows, BN_DH=self.swiglu_cols, BN_EPI=self.swiglu_epilogue_cols, BN_RC=self.recompute_cols,
+            BN_DX=self.dx_cols, BK=self.depth,
             BKW=self.wgrad_depth, BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip,
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
-            WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_RESTART=self.wgrad_restart_dot,
+            WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
             num_warps=self.warps,
         )
 
@@ -309,8 +314,8 @@ GPU_BACKWARD_TILES = BackwardTiles()
 # Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run.
 INTERPRETER_BACKWARD_TILES = BackwardTiles(
     route_tokens=16, route_depth=16, route_cols=16, route_stages=1, dispatch_rows=16, dispatch_cols=32, rows=16,
-    swiglu_cols=32, recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16, wgrad_rows=16, wgrad_cols=16,
-    router_grad_rows=16, router_grad_cols=16, router_grad_depth=16, fold_tokens=16,
+    swiglu_cols=32, swiglu_epilogue_cols=16, recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16,
+    wgrad_rows=16, wgrad_cols=16, router_grad_rows=16, router_grad_cols=16, router_grad_depth=16, fold_tokens=16,
     fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2, wgrad_stages=1,
 )
 

@@ -301,12 +301,14 @@ def test_rehearsal_covers_the_fused_step():
     run_world(2, check_rehearsal_covers_the_step, [(case, "none") for case in CASES], env=INTERPRET)
 
 
-def check_gemm_operands(rank, world, items, tma, restart_dot):
+def check_gemm_operands(rank, world, items, tma, block_loops):
     import dataclasses
 
     from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
 
-    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma, wgrad_restart_dot=restart_dot)
+    # The block-loop run also splits the SwiGLU-backward epilogue in quarters, not halves.
+    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma,
+                                wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16)
     check_cases(rank, world, items, backward_tiles=tiles)
     _, fused = build(world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
@@ -315,14 +317,15 @@ def check_gemm_operands(rank, world, items, tma, restart_dot):
     assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is tma and consts["PROXY_FENCE"] is False
 
 
-@pytest.mark.parametrize("tma, restart_dot", [(False, True), (True, False)],
-                         ids=["pointer_operands_restart_dot", "tma_operands"])
-def test_backward_gemm_operands(tma, restart_dot):
+@pytest.mark.parametrize("tma, block_loops", [(False, True), (True, False)],
+                         ids=["pointer_operands_block_loops", "tma_operands"])
+def test_backward_gemm_operands(tma, block_loops):
     """The backward's GEMM operands by pointer loads (pre-Hopper GPUs, unaligned widths) and by
     TMA (the default here: the interpreter emulates it); the one_rank skew leaves the first
     rank's experts without rows, whose weight gradients must be zeros. The pointer run also
-    starts each weight-gradient block with a dot without accumulator (wgrad_restart_dot)."""
-    run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, restart_dot, env=INTERPRET)
+    reduces each weight-gradient block in its own loop (wgrad_block_loops) and runs the
+    SwiGLU-backward epilogue in column quarters (swiglu_epilogue_cols)."""
+    run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, block_loops, env=INTERPRET)
 
 
 def check_kept_rows(rank, world, items, save_gate_up, save_shared):

@@ -97,13 +97,13 @@ def check_weight_gradient_strips(rank, world, tma):
     M, N = 40, 72
     a, b = torch.randn(int(counts.sum()), M), torch.randn(int(counts.sum()), N)
     out = torch.full((3, M, N), float("nan"))
-    variant = (16, 16, 16, 1, 2, 1, tma != "pointers", tma == "tma_store", tma == "restart_dot")
+    variant = (16, 16, 16, 1, 2, 1, tma != "pointers", tma == "tma_store", tma == "block_loops")
     g.wgrad_launch(a, b, out, counts, variant, tl.float32)()
     want = torch.stack([a[:37].T @ b[:37], torch.zeros(M, N), a[37:].T @ b[37:]])
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
 
 
-# restart_dot: TMA loads, each block's accumulator started by a dot without accumulator.
-@pytest.mark.parametrize("tma", ["pointers", "tma_loads", "tma_store", "restart_dot"])
+# block_loops: TMA loads, each block its own pipelined loop instead of one flat loop.
+@pytest.mark.parametrize("tma", ["pointers", "tma_loads", "tma_store", "block_loops"])
 def test_weight_gradient_strips_match_torch(tma):
     run_world(1, check_weight_gradient_strips, tma, env=INTERPRET)
