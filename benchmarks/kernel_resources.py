@@ -13,9 +13,10 @@ the GPU would build; nothing runs. What ``--check`` fails on:
   once caused it, and the kernel's SwiGLU-backward, dx and weight-gradient tiles all ran
   without overlapping wgmma. One flat strip loop per task removed it; on the H200 that was
   worth 14% on the SwiGLU-backward tiles and 10% on dx.
-* ptxas C7512: wgmma serialized for lack of registers (128 x 256 or 256 x 128 weight-gradient
-  tiles beside router-gradient tiles of 64 x 128 or more, 128-column SwiGLU-backward tiles with
-  three accumulators, next to everything else the kernel holds).
+* ptxas C7512: wgmma serialized for lack of registers (256-column dx or SwiGLU-backward tiles
+  beside weight-gradient strips reduced in one flat loop, 128 x 256 weight-gradient tiles
+  beside 128 x 128 router-gradient tiles reduced 64 tokens a step, 128-column SwiGLU-backward
+  tiles with three accumulators, next to everything else the kernel holds).
 * A 16-bit wgmma loop that waits for every dot before going on. Triton keeps a wgmma in
   flight only if its shared-memory operands come from the pipeline's multi-buffered
   asynchronous copies; an operand read by a plain load (one the compiler cannot prove

@@ -65,12 +65,6 @@ VARIANTS = {
     # The default until stop 32: 128 x 128 weight-gradient tiles in 4 stages beside 128 x 128
     # router-gradient tiles (128 x 256 ones beside those make ptxas serialize every wgmma, C7512).
     "wgrad_cols128": _backward_tiles(wgrad_cols=128, wgrad_stages=4, router_grad_rows=128, router_grad_cols=128),
-    # 128 x 256 dx tiles, 4 stages (192 KB of shared memory), beside 128 x 128 weight-gradient
-    # tiles: not beside 128 x 256 ones (C7512, even with 16 x 16 router tiles; offline sm_90,
-    # Triton 3.6). H100 80GB, stop 32, DeepSeek-V3 32 experts, against the then default
-    # (wgrad_cols128): dx 3.14 against 4.02 ms busy per worker, weight gradients 6.93 against
-    # 6.48, the step 21.72 against 22.11 ms, where 128 x 256 weight-gradient tiles took 21.48.
-    "dx_cols256": _backward_tiles(dx_cols=256, wgrad_cols=128, wgrad_stages=4),
     # The router-gradient reduction 64 tokens a step (the default until stop 33; 32 spills less).
     "router_depth64": _backward_tiles(router_grad_depth=64),
     # 128 x 128 router-gradient tiles, which 32-token steps let compile without C7512 (they
@@ -78,12 +72,13 @@ VARIANTS = {
     # tiles).
     "router_grad128": _backward_tiles(router_grad_rows=128, router_grad_cols=128),
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
-    # Each weight-gradient block its own pipelined loop (BackwardTiles.wgrad_block_loops), and
-    # beside it the 256-column dx and SwiGLU-backward tiles that the flat strip loop keeps out
-    # (C7512, offline sm_90, Triton 3.6).
-    "wgrad_block_loops": _backward_tiles(wgrad_block_loops=True),
-    "block_loops_dx256": _backward_tiles(wgrad_block_loops=True, dx_cols=256),
-    "block_loops_wide": _backward_tiles(wgrad_block_loops=True, dx_cols=256, swiglu_cols=256),
+    # The default until stop 34: one flat loop per weight-gradient strip, beside which 256-column
+    # dx and SwiGLU-backward tiles do not compile without C7512 (offline sm_90, Triton 3.6).
+    "flat_strips": _backward_tiles(wgrad_block_loops=False, dx_cols=128, swiglu_cols=128),
+    "dx_cols128": _backward_tiles(dx_cols=128),
+    "swiglu_cols128": _backward_tiles(swiglu_cols=128),
+    # Four weight-gradient stages fit in shared memory beside per-block loops (196,640 B).
+    "wgrad_stages4": _backward_tiles(wgrad_stages=4),
     # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),
 }

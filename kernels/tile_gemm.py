@@ -393,20 +393,21 @@ def row_reduction_strip(
     consecutive ``BN``-column blocks from ``blk0`` (fewer at the right edge).
 
     ``a`` ``[n_rows, M_DIM]``, ``b`` ``[n_rows, N_DIM]`` and ``out`` ``[M_DIM, N_DIM]`` are
-    row-major. Each block reduces over the rows in order (deterministic). By default the blocks
-    and their row steps run as one flat loop so the software pipeline carries across block
-    boundaries: the next block's first loads are in flight during this block's store. Per-block
-    loops each pay a pipeline fill and a drain, which at one or two row steps per block (256
-    experts, ~128 rows each) cost more than the block's math. ``n_rows == 0`` writes zeros.
+    row-major. Each block reduces over the rows in order (deterministic). ``n_rows == 0``
+    writes zeros.
 
-    The flat loop starts each block's accumulator from zero with a select after the block's
-    store, and in the fused backward (sm_90, Triton 3.6) it is what holds registers: beside it
-    no other 256-column tile compiles without ptxas serializing the kernel's wgmma (C7512).
-    ``BLOCK_LOOPS`` runs each block as its own pipelined loop instead: offline, the backward's
-    spills fall from 1,332 to 304 B (DeepSeek-V3 one-rank view) and 256-column dx and
-    SwiGLU-backward tiles compile beside it, every wgmma loop keeping one in flight. (The
-    per-block reductions that once made ptxas serialize the kernel's wgmma, C7515, were laid
-    out otherwise: two loops, one per gradient, into one accumulator zeroed before both.)
+    Without ``BLOCK_LOOPS`` the blocks and their row steps run as one flat loop, so the software
+    pipeline carries across block boundaries: the next block's first loads are in flight during
+    this block's store, where per-block loops each pay a pipeline fill and a drain. In the fused
+    backward (sm_90, Triton 3.6) that flat loop is what holds registers: beside it no other
+    256-column tile compiles without ptxas serializing the kernel's wgmma (C7512). With
+    ``BLOCK_LOOPS`` (the fused backward's default since stop 34) each block is its own
+    pipelined loop: offline, the backward's spills fall from 1,332 to 304 B (DeepSeek-V3
+    one-rank view) and 256-column dx and SwiGLU-backward tiles compile beside it, every wgmma
+    loop keeping one in flight. At 256 experts (two row steps a block) the weight gradients
+    then took 16% longer on an H100, which those wider tiles made up. (The per-block reductions
+    that once made ptxas serialize the kernel's wgmma, C7515, were laid out otherwise: two
+    loops, one per gradient, into one accumulator zeroed before both.)
 
     The widths are run-time values, so that the backward's two weight gradients share one
     loop (one set of pipeline buffers in shared memory); ``ALIGNED`` says that both are

@@ -214,18 +214,18 @@ class BackwardTiles:
     rows: int = 128              # BM: rows per expert tile
     # Columns of a SwiGLU-backward task: one accumulator (g Wd) where the forward kept the
     # gate/up projections (H200, DeepSeek-V3 one-rank view: 2.24 ms busy per worker at 128,
-    # 3.50 at 64). A task that redoes the projections (three accumulators) runs as sub-tiles
-    # of recompute_cols: 128 there makes ptxas serialize the kernel's wgmma (C7512).
-    swiglu_cols: int = 128
+    # 3.50 at 64; H100 80GB, stop 34, beside 256-column dx tiles: 1.91 at 256, 2.31 at 128).
+    # A task that redoes the projections (three accumulators) runs as sub-tiles of
+    # recompute_cols: 128 there makes ptxas serialize the kernel's wgmma (C7512).
+    swiglu_cols: int = 256
     # The kept-projection SwiGLU-backward epilogue runs in column halves, or in quarters where a
     # quarter is this wide (256-column tiles).
     swiglu_epilogue_cols: int = 64
     recompute_cols: int = 64
-    # BN of the dx tiles. 256 would not compile beside 128 x 256 weight-gradient tiles without
-    # wgmma serialization (C7512); beside 128 x 128 ones it ran the dx tiles 22% faster but the
-    # step only 1.8% (layer_backward.py variant dx_cols256), less than wider weight-gradient
-    # tiles gained.
-    dx_cols: int = 128
+    # BN of the dx tiles. 256 compiles beside 128 x 256 weight-gradient tiles only with
+    # per-block weight-gradient loops (wgrad_block_loops; else C7512). H100 80GB, stop 34,
+    # DeepSeek-V3 one-rank view: dx 2.95 against 3.85 ms busy per worker at 128.
+    dx_cols: int = 256
     depth: int = 64              # BK
     wgrad_depth: int = 64        # BKW: rows per step of a weight-gradient reduction
     # BWM x BWN: the weight-gradient tiles. 128 x 256 against 128 x 128 (4 stages, beside
@@ -284,11 +284,15 @@ class BackwardTiles:
     tile_tma: bool = False
     # Each weight-gradient block its own pipelined loop instead of one flat loop over the
     # strip's blocks and row steps (tile_gemm.row_reduction_strip's BLOCK_LOOPS). Offline (sm_90,
-    # Triton 3.6, DeepSeek-V3 one-rank view) the kernel's spills fall from 1,332 to 304 B and
-    # 256-column dx and SwiGLU-backward tiles compile beside it without C7512; each block then
-    # pays a pipeline fill and drain. Off; untimed (layer_backward.py variants wgrad_block_loops,
-    # block_loops_dx256, block_loops_wide).
-    wgrad_block_loops: bool = False
+    # Triton 3.6, DeepSeek-V3 one-rank view) the kernel's spills fall from 1,332 to 304 B, and
+    # the 256-column dx and SwiGLU-backward tiles compile beside it without C7512. Each block
+    # pays a pipeline fill and drain: at 256 experts (two row steps a block) the weight
+    # gradients took 13.75 against 11.89 ms busy per worker, which the wider tiles made up.
+    # H100 80GB, stop 34, forward+backward ms against the flat strips with 128-column dx and
+    # SwiGLU-backward tiles (layer_backward.py variant flat_strips), one run: DeepSeek-V3 32
+    # experts 18.81 / 20.58, Qwen3 16 experts 7.82 / 8.36, DeepSeek-V3 256 experts 40.09 /
+    # 40.09, Qwen3 128 experts 11.67 / 11.71.
+    wgrad_block_loops: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -312,9 +316,10 @@ class BackwardTiles:
 
 GPU_BACKWARD_TILES = BackwardTiles()
 # Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run.
+# The SwiGLU-backward epilogue in quarters, as the GPU's 256-column tiles.
 INTERPRETER_BACKWARD_TILES = BackwardTiles(
     route_tokens=16, route_depth=16, route_cols=16, route_stages=1, dispatch_rows=16, dispatch_cols=32, rows=16,
-    swiglu_cols=32, swiglu_epilogue_cols=16, recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16,
+    swiglu_cols=32, swiglu_epilogue_cols=8, recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16,
     wgrad_rows=16, wgrad_cols=16, router_grad_rows=16, router_grad_cols=16, router_grad_depth=16, fold_tokens=16,
     fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2, wgrad_stages=1,
 )

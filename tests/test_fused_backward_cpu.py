@@ -306,7 +306,7 @@ def check_gemm_operands(rank, world, items, tma, block_loops):
 
     from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
 
-    # The block-loop run also splits the SwiGLU-backward epilogue in quarters, not halves.
+    # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters.
     tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma,
                                 wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16)
     check_cases(rank, world, items, backward_tiles=tiles)
@@ -317,14 +317,14 @@ def check_gemm_operands(rank, world, items, tma, block_loops):
     assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is tma and consts["PROXY_FENCE"] is False
 
 
-@pytest.mark.parametrize("tma, block_loops", [(False, True), (True, False)],
-                         ids=["pointer_operands_block_loops", "tma_operands"])
+@pytest.mark.parametrize("tma, block_loops", [(False, False), (True, True)],
+                         ids=["pointer_operands_flat_strips", "tma_operands"])
 def test_backward_gemm_operands(tma, block_loops):
     """The backward's GEMM operands by pointer loads (pre-Hopper GPUs, unaligned widths) and by
     TMA (the default here: the interpreter emulates it); the one_rank skew leaves the first
     rank's experts without rows, whose weight gradients must be zeros. The pointer run also
-    reduces each weight-gradient block in its own loop (wgrad_block_loops) and runs the
-    SwiGLU-backward epilogue in column quarters (swiglu_epilogue_cols)."""
+    reduces each weight-gradient strip in one flat loop (wgrad_block_loops off) and runs the
+    SwiGLU-backward epilogue in column halves (swiglu_epilogue_cols), the defaults until stop 34."""
     run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, block_loops, env=INTERPRET)
 
 
