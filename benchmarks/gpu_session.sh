@@ -20,7 +20,7 @@
 #   variants         layer_backward.py --profile, DeepSeek-V3 32 experts and Qwen3 16 experts,
 #                    the default against the stop 33 tiles (flat weight-gradient strips,
 #                    128-column dx and SwiGLU-backward tiles), each wide tile narrowed alone,
-#                    and the untimed 4-stage weight-gradient loops
+#                    and 3-stage weight-gradient loops
 #   variants-full    the same at DeepSeek-V3 256 experts (two row steps per weight-gradient
 #                    block, where a loop per block costs most), and the 128 x 128
 #                    router-gradient tiles (most router work there)
@@ -49,9 +49,9 @@ run_stage() {
                               --out "$out/variants_forward.json" --variants default two_per_sm two_per_sm_rows64 ;;
         variants) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank --profile \
                       --out "$out/variants.json" \
-                      --variants default flat_strips dx_cols128 swiglu_cols128 wgrad_stages4 ;;
+                      --variants default flat_strips dx_cols128 swiglu_cols128 wgrad_stages3 ;;
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
-                           --out "$out/variants_full.json" --variants default flat_strips wgrad_stages4 \
+                           --out "$out/variants_full.json" --variants default flat_strips wgrad_stages3 \
                                router_grad128 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json"; first=$?; \

@@ -74,11 +74,12 @@ VARIANTS = {
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True),
     # The default until stop 34: one flat loop per weight-gradient strip, beside which 256-column
     # dx and SwiGLU-backward tiles do not compile without C7512 (offline sm_90, Triton 3.6).
-    "flat_strips": _backward_tiles(wgrad_block_loops=False, dx_cols=128, swiglu_cols=128),
+    "flat_strips": _backward_tiles(wgrad_block_loops=False, dx_cols=128, swiglu_cols=128, wgrad_stages=3),
     "dx_cols128": _backward_tiles(dx_cols=128),
     "swiglu_cols128": _backward_tiles(swiglu_cols=128),
-    # Four weight-gradient stages fit in shared memory beside per-block loops (196,640 B).
-    "wgrad_stages4": _backward_tiles(wgrad_stages=4),
+    # Three weight-gradient stages (the default until stop 34; four fit in shared memory
+    # beside per-block loops).
+    "wgrad_stages3": _backward_tiles(wgrad_stages=3),
     # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),
 }

@@ -264,10 +264,14 @@ class BackwardTiles:
     # forward+backward (DeepSeek-V3, 256 experts, H200).
     wgrad_strip: int = 16
     # Pipeline stages of the weight-gradient strips (both gradients share one loop, so one set
-    # of buffers, 48 KB per stage at 128 x 256): 4 would need 229 KB of shared memory, over
-    # sm_90's 227. At 128 x 128 by pointer loads, H200, forward+backward, 3 / 4 / 5 stages:
+    # of buffers, 48 KB per stage at 128 x 256): with the flat strip loop 4 needed 229 KB of
+    # shared memory, over sm_90's 227; with a loop per block the kernel takes 196,640 B. H100
+    # 80GB, stop 34, forward+backward ms, 4 / 3 stages (variant wgrad_stages3), one run:
+    # DeepSeek-V3 32 experts 18.42 / 18.73, 256 experts 39.63 / 39.87, Qwen3 16 experts 7.72 /
+    # 7.80, 128 experts 11.59 / 11.65 (weight gradients 4.96 / 5.22 ms busy per worker at
+    # DeepSeek-V3 32 experts). At 128 x 128 by pointer loads, H200, 3 / 4 / 5 stages:
     # DeepSeek-V3 rank view 22.96 / 22.59 / 22.68 ms, Qwen3 rank view 9.41 / 9.22 / 9.31.
-    wgrad_stages: int = 3
+    wgrad_stages: int = 4
     # Weight-gradient operands by TMA (descriptors over each expert's rows, made in the task)
     # where kosmos_moe.fused.backward_tma_usable allows, else by pointer loads. Plain grid on the
     # H200 (benchmarks/gemm_tiles.py, DeepSeek-V3 rank view, 128 x 128, 4 stages): dW[g;u]
