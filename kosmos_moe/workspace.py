@@ -241,8 +241,9 @@ class BackwardTiles:
     # most at 256 experts (stop 32, same runs: route backward 3.52 against 1.83 ms busy per
     # worker, router weight 1.11 against 0.50), where the weight gradients gain as much. With
     # the reduction 32 tokens a step (router_grad_depth, stop 33), 64 x 128 and 128 x 128
-    # compile without C7512 but spill more (2,272 and 1,928 against 1,332 B, DeepSeek-V3 one-
-    # rank view); untimed (layer_backward.py variant router_grad128).
+    # compile without C7512; beside the flat strips of stop 33 they spilled more (2,272 and
+    # 1,928 against 1,332 B, DeepSeek-V3 one-rank view), beside the per-block loops 128 x 128
+    # spill 728 B against 760. Untimed (layer_backward.py variant router_grad128).
     router_grad_rows: int = 64
     router_grad_cols: int = 64
     # BRK: tokens per step of the router-gradient reduction. 32 spills less than 64 (offline

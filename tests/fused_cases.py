@@ -88,9 +88,10 @@ CASES = {
 # Edge shapes, world 1 (tests/test_fused_backward_cpu.py::test_edge_shapes): one expert; every
 # expert chosen; sizes of 1, 3, 5, 7 and around a 16-wide tile; one expert per routing group
 # with three shared experts; more workers than tiles; 40 experts, which the route backward's
-# d logits @ Wr takes in 16-expert steps (the interpreter's route_depth), the last one past E. (A top-1 choice with normalised weights
-# has a router gradient of exactly zero, which the kernel returns and the reference misses by
-# rounding noise: the relative tolerances cannot judge it, so no case here has one.)
+# d logits @ Wr takes in 16-expert steps (the interpreter's route_depth), the last one past E.
+# (A top-1 choice with normalised weights has a router gradient of exactly zero, which the
+# kernel returns and the reference misses by rounding noise: the relative tolerances cannot
+# judge it, so no case here has one.)
 EDGE_CASES = {
     "one_expert": dict(shape=dict(hidden_size=7, moe_intermediate_size=5, num_experts=1, top_k=1),
                        counts=[13], workers=1),
