@@ -243,7 +243,10 @@ class BackwardTiles:
     # the reduction 32 tokens a step (router_grad_depth, stop 33), 64 x 128 and 128 x 128
     # compile without C7512; beside the flat strips of stop 33 they spilled more (2,272 and
     # 1,928 against 1,332 B, DeepSeek-V3 one-rank view), beside the per-block loops 128 x 128
-    # spill 728 B against 760. Untimed (layer_backward.py variant router_grad128).
+    # spill 728 B against 760. H100 80GB, stop 35, forward+backward ms, 128 x 128 (variant
+    # router_grad128) / 64 x 64, one run: DeepSeek-V3 256 experts 39.06 / 39.90 (router weight
+    # 0.50 / 1.09 ms busy per worker), 32 experts 19.09 / 18.82, Qwen3 16 experts 7.93 / 7.71,
+    # 128 experts 11.95 / 11.61: only 256 experts gain.
     router_grad_rows: int = 64
     router_grad_cols: int = 64
     # BRK: tokens per step of the router-gradient reduction. 32 spills less than 64 (offline
@@ -280,7 +283,9 @@ class BackwardTiles:
     wgrad_tma: bool = True
     # With wgrad_tma, each finished weight-gradient block also leaves by TMA (a plain-grid probe
     # at 1,024 rows per expert gained 1-2%; in the kernel, beside 128 x 128 tiles, H100 80GB,
-    # stop 32, DeepSeek-V3 32 experts: 22.03 against 22.11 ms forward+backward, one run).
+    # stop 32, DeepSeek-V3 32 experts: 22.03 against 22.11 ms forward+backward, one run; beside
+    # 128 x 256 tiles in 3 stages, stop 35, DeepSeek-V3 256 experts: 39.83 against the 4-stage
+    # default's 39.90).
     wgrad_tma_store: bool = False
     # The dx tiles' and (kept-projection) SwiGLU-backward tiles' rows and weight blocks by TMA,
     # descriptors made in the task, where kosmos_moe.fused.backward_tma_usable allows. Off: on
