@@ -23,8 +23,8 @@
 #                    and 3-stage weight-gradient loops
 #   variants-full    the same at DeepSeek-V3 256 experts (two row steps per weight-gradient
 #                    block, where a loop per block costs most), the blocks stored by TMA
-#                    (their stores overlap the next block's loads) and the 128 x 128
-#                    router-gradient tiles (most router work there)
+#                    (their stores overlap the next block's loads) and the 64 x 64
+#                    router-gradient tiles (the default until stop 35; most router work there)
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   host-blocking    host_blocking.py (which host operations wait for running kernels), then the
 #                    backward tests that stalled with a shared expert in emulated worlds (stop 28)
@@ -53,7 +53,7 @@ run_stage() {
                       --variants default flat_strips dx_cols128 swiglu_cols128 wgrad_stages3 ;;
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
                            --out "$out/variants_full.json" --variants default flat_strips wgrad_stages3 \
-                               router_grad128 wgrad_tma_store ;;
+                               router_grad64 wgrad_tma_store ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json"; first=$?; \
                            KOSMOS_SAMPLE_STACKS="$out/stacks" python -m pytest -q \

@@ -67,10 +67,8 @@ VARIANTS = {
     "wgrad_cols128": _backward_tiles(wgrad_cols=128, wgrad_stages=4, router_grad_rows=128, router_grad_cols=128),
     # The router-gradient reduction 64 tokens a step (the default until stop 33; 32 spills less).
     "router_depth64": _backward_tiles(router_grad_depth=64),
-    # 128 x 128 router-gradient tiles, which 32-token steps let compile without C7512 (they
-    # halved the router-weight time at 256 experts at stop 32, beside 128 x 128 weight-gradient
-    # tiles).
-    "router_grad128": _backward_tiles(router_grad_rows=128, router_grad_cols=128),
+    # 64 x 64 router-gradient tiles (the default until stop 35).
+    "router_grad64": _backward_tiles(router_grad_rows=64, router_grad_cols=64),
     # Weight-gradient blocks stored by TMA: its staging tile leaves room for 3 stages only
     # (213,016 B of shared memory; 262,176 with 4).
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True, wgrad_stages=3),

@@ -243,12 +243,15 @@ class BackwardTiles:
     # the reduction 32 tokens a step (router_grad_depth, stop 33), 64 x 128 and 128 x 128
     # compile without C7512; beside the flat strips of stop 33 they spilled more (2,272 and
     # 1,928 against 1,332 B, DeepSeek-V3 one-rank view), beside the per-block loops 128 x 128
-    # spill 728 B against 760. H100 80GB, stop 35, forward+backward ms, 128 x 128 (variant
-    # router_grad128) / 64 x 64, one run: DeepSeek-V3 256 experts 39.06 / 39.90 (router weight
-    # 0.50 / 1.09 ms busy per worker), 32 experts 19.09 / 18.82, Qwen3 16 experts 7.93 / 7.71,
-    # 128 experts 11.95 / 11.61: only 256 experts gain.
-    router_grad_rows: int = 64
-    router_grad_cols: int = 64
+    # spill 728 B against 760 (and less in all four benchmark cases). The default since stop
+    # 35. H100 80GB, stop 35, one run each, 128 x 128 / 64 x 64 (variant router_grad64): the
+    # backward's busy ms per worker summed over its tasks (the kernel is never idle, so this is
+    # its time) DeepSeek-V3 256 experts 25.56 / 26.29 (router weight 0.50 / 1.09), 32 experts
+    # 11.20 / 11.23, Qwen3 16 experts 5.15 / 5.27, 128 experts 7.84 / 7.98; forward+backward ms
+    # 39.06 / 39.90, 19.09 / 18.82, 7.93 / 7.71, 11.95 / 11.61, where the unchanged forward
+    # kernel's busy time moved as much (DeepSeek-V3 32 experts: 5.86 / 5.67 ms per worker).
+    router_grad_rows: int = 128
+    router_grad_cols: int = 128
     # BRK: tokens per step of the router-gradient reduction. 32 spills less than 64 (offline
     # sm_90, Triton 3.6, the whole kernel: 1,332 against 1,892 B at DeepSeek-V3 32 experts,
     # 1,952 against 2,984 at 256), and at DeepSeek-V3 the GEMM tasks ran faster for it. H100
