@@ -249,7 +249,7 @@ class BackwardTiles:
     # its time) DeepSeek-V3 256 experts 25.56 / 26.29 (router weight 0.50 / 1.09), 32 experts
     # 11.20 / 11.23, Qwen3 16 experts 5.15 / 5.27, 128 experts 7.84 / 7.98; forward+backward ms
     # 39.06 / 39.90, 19.09 / 18.82, 7.93 / 7.71, 11.95 / 11.61, where the unchanged forward
-    # kernel's busy time moved as much (DeepSeek-V3 32 experts: 5.86 / 5.67 ms per worker).
+    # kernel's busy time moved as much (DeepSeek-V3 32 experts: 6.12 / 5.93 ms per worker).
     router_grad_rows: int = 128
     router_grad_cols: int = 128
     # BRK: tokens per step of the router-gradient reduction. 32 spills less than 64 (offline
