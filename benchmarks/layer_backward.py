@@ -72,9 +72,11 @@ VARIANTS = {
     # Weight-gradient blocks stored by TMA: its staging tile leaves room for 3 stages only
     # (213,016 B of shared memory; 262,176 with 4).
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True, wgrad_stages=3),
-    # The default until stop 34: one flat loop per weight-gradient strip, beside which 256-column
-    # dx and SwiGLU-backward tiles do not compile without C7512 (offline sm_90, Triton 3.6).
-    "flat_strips": _backward_tiles(wgrad_block_loops=False, dx_cols=128, swiglu_cols=128, wgrad_stages=3),
+    # The tiles of stop 33: one flat loop per weight-gradient strip, beside which 256-column
+    # dx and SwiGLU-backward tiles do not compile without C7512 (offline sm_90, Triton 3.6),
+    # and 64 x 64 router-gradient tiles.
+    "flat_strips": _backward_tiles(wgrad_block_loops=False, dx_cols=128, swiglu_cols=128, wgrad_stages=3,
+                                   router_grad_rows=64, router_grad_cols=64),
     "dx_cols128": _backward_tiles(dx_cols=128),
     "swiglu_cols128": _backward_tiles(swiglu_cols=128),
     # Three weight-gradient stages (the default until stop 34; four fit in shared memory
