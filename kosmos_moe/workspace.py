@@ -219,7 +219,7 @@ class BackwardTiles:
     # recompute_cols: 128 there makes ptxas serialize the kernel's wgmma (C7512).
     swiglu_cols: int = 256
     # The kept-projection SwiGLU-backward epilogue runs in column halves, or in quarters where a
-    # quarter is this wide (256-column tiles).
+    # quarter is at least this wide (256-column tiles).
     swiglu_epilogue_cols: int = 64
     recompute_cols: int = 64
     # BN of the dx tiles. 256 compiles beside 128 x 256 weight-gradient tiles only with
@@ -236,10 +236,11 @@ class BackwardTiles:
     wgrad_rows: int = 128
     wgrad_cols: int = 256
     # BRM x BRN: the router weight's gradient tiles (fp32 operands, tf32x3 dots on the GPU).
-    # Beside 128 x 256 weight-gradient tiles, 64 x 128 or larger ones make ptxas serialize
-    # every wgmma of the kernel (C7512, offline sm_90, Triton 3.6); 64 x 64 do not. They cost
-    # most at 256 experts (stop 32, same runs: route backward 3.52 against 1.83 ms busy per
-    # worker, router weight 1.11 against 0.50), where the weight gradients gain as much. With
+    # Reduced 64 tokens a step (before stop 33), beside 128 x 256 weight-gradient tiles, 64 x
+    # 128 or larger ones made ptxas serialize every wgmma of the kernel (C7512, offline sm_90,
+    # Triton 3.6) and 64 x 64 did not. 64 x 64 cost most at 256 experts (stop 32, same runs:
+    # route backward 3.52 against 1.83 ms busy per worker, router weight 1.11 against 0.50),
+    # where the weight gradients gained as much. With
     # the reduction 32 tokens a step (router_grad_depth, stop 33), 64 x 128 and 128 x 128
     # compile without C7512; beside the flat strips of stop 33 they spilled more (2,272 and
     # 1,928 against 1,332 B, DeepSeek-V3 one-rank view), beside the per-block loops 128 x 128
