@@ -84,6 +84,8 @@ VARIANTS = {
     "wgrad_stages3": _backward_tiles(wgrad_stages=3),
     # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),
+    # SwiGLU-backward and dx tiles take their next ticket as they start.
+    "early_tickets": _backward_tiles(early_tickets=True),
 }
 
 
@@ -259,6 +261,22 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default", tra
             busy = {k: sum(rep[k]["seconds"] for rep in reports) / (workers * ranks) * 1e3 for k in reports[0]}
             result[f"{key}_per_worker_busy_ms"] = busy
             log(f"[{name}] {key} busy ms per worker: " + ", ".join(f"{k} {v:.3f}" for k, v in busy.items()))
+            if key == "backward":
+                # Per GEMM task: the mean time and, for the kept-projection SwiGLU-backward and
+                # the dx tiles, the part after the last dot (the recomputing tiles have no timer).
+                per_task = {}
+                for kind in ("swiglu_backward", "dx", "weight_grad"):
+                    tasks = sum(rep[kind]["passes"] for rep in reports)
+                    seconds = sum(rep[kind]["seconds"] for rep in reports)
+                    per_task[kind] = {"tasks": tasks, "us_per_task": 1e6 * seconds / max(tasks, 1)}
+                    if f"{kind}_epilogue" in reports[0]:
+                        epilogue = sum(rep[f"{kind}_epilogue"]["seconds"] for rep in reports)
+                        per_task[kind]["epilogue_us_per_task"] = 1e6 * epilogue / max(tasks, 1)
+                result["backward_per_task"] = per_task
+                log(f"[{name}] backward per task: " + ", ".join(
+                    f"{k} {t['tasks']} x {t['us_per_task']:.1f} us"
+                    + (f" (after the last dot {t['epilogue_us_per_task']:.1f})" if "epilogue_us_per_task" in t else "")
+                    for k, t in per_task.items()))
     del layers, world, full
     torch.cuda.empty_cache()
     return result

@@ -70,7 +70,7 @@ import triton.language as tl
 from .profile import now
 from .queues import (
     claim, combine_destination, count_flags, dispatch_chunk, expert_tasks, fold_block, locate, pick, poll_counts,
-    record_missing_counts,
+    record_missing_counts, settle_ticket, take_ticket,
 )
 from .route import routing_backward
 from .signals import (
@@ -80,7 +80,12 @@ from .signals import (
 from .tile_gemm import column_halves, row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
 
 PROFILE_SLOTS = ("idle", "layout", "count_exchange", "dispatch", "swiglu_backward", "dx",
-                 "route_backward", "fold", "weight_grad", "router_weight_grad")
+                 "route_backward", "fold", "weight_grad", "router_weight_grad",
+                 "swiglu_backward_epilogue", "dx_epilogue")
+# Parts of the kept-projection SwiGLU-backward and the dx tiles' time above (not passes of
+# their own): from the tile's last dot to the end of its stores and signals.
+PROFILE_DH_EPILOGUE = tl.constexpr(10)
+PROFILE_DX_EPILOGUE = tl.constexpr(11)
 
 Q_FEED = tl.constexpr(0)
 Q_DH = tl.constexpr(1)
@@ -161,6 +166,7 @@ def kept_swiglu_backward(
     g_ptr, n_rows, w_down_ptr, kept, wgt, r64, row_ok, n0, hw, dgu,
     H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_EPI: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
+    PROFILE: tl.constexpr, profile_ptr,
 ):
     """A SwiGLU-backward tile whose rows' gate and up projections the forward kept (``kept``:
     one pointer per row): ``dh' = g @ Wd[:, n0:n0+BN]`` is its only GEMM. The epilogue runs in
@@ -169,6 +175,7 @@ def kept_swiglu_backward(
     quarters where a quarter is still ``BN_EPI`` columns wide (256-column tiles beside per-block
     weight-gradient loops: 776 B of spills against 1,668 in halves)."""
     dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA)
+    t_epilogue = now() if PROFILE else 0
     lo, hi = column_halves(dh1, BM, BN // 2)
     if BN >= 4 * BN_EPI:
         q0, q1 = column_halves(lo, BM, BN // 4)
@@ -176,9 +183,13 @@ def kept_swiglu_backward(
         part += kept_half_epilogue(q1, kept, wgt, r64, row_ok, n0 + BN // 4, hw, dgu, I, BN // 4)
         q2, q3 = column_halves(hi, BM, BN // 4)
         part += kept_half_epilogue(q2, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 4)
-        return part + kept_half_epilogue(q3, kept, wgt, r64, row_ok, n0 + 3 * BN // 4, hw, dgu, I, BN // 4)
-    part = kept_half_epilogue(lo, kept, wgt, r64, row_ok, n0, hw, dgu, I, BN // 2)
-    return part + kept_half_epilogue(hi, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 2)
+        part += kept_half_epilogue(q3, kept, wgt, r64, row_ok, n0 + 3 * BN // 4, hw, dgu, I, BN // 4)
+    else:
+        part = kept_half_epilogue(lo, kept, wgt, r64, row_ok, n0, hw, dgu, I, BN // 2)
+        part += kept_half_epilogue(hi, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 2)
+    if PROFILE:
+        tl.atomic_add(profile_ptr + PROFILE_DH_EPILOGUE, now() - t_epilogue, sem="relaxed")
+    return part
 
 
 @triton.jit
@@ -227,6 +238,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
+    EARLY_TICKETS: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -333,11 +345,15 @@ def expert_backward_kernel(
                         tl.debug_barrier()
                         if PROXY_FENCE & TILE_TMA:
                             async_proxy_fence()
+                        nxt = -1
+                        if EARLY_TICKETS:  # see BackwardTiles.early_tickets
+                            nxt = take_ticket(heads + Q_DX, open_q, OPEN_DX)
                         row0 = pick(row_start_el, el_idx, e) + m * BM
                         n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
                         acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
                                                      w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
                                                      2 * I, H, BM, BN_DX, BK, DOT_DTYPE, DX_STAGES, TILE_TMA)
+                        t_epilogue = now() if PROFILE else 0
                         rows = row0 + tl.arange(0, BM)
                         row_ok = tl.arange(0, BM) < n_rows
                         src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
@@ -360,8 +376,12 @@ def expert_backward_kernel(
                         if hb == 0:
                             dw_arrive = (base + (C_DW_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
                             tl.atomic_add(dw_arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                        if PROFILE:
+                            tl.atomic_add(profile_ptr + PROFILE_DX_EPILOGUE, now() - t_epilogue, sem="relaxed")
                         did = 5
                         q = -1
+                        if EARLY_TICKETS:
+                            q, open_q = settle_ticket(nxt, n_dx, open_q, OPEN_DX)
                 held_dx = q
 
         # ---- RBWD ----
@@ -426,6 +446,9 @@ def expert_backward_kernel(
                         tl.debug_barrier()
                         if PROXY_FENCE & TILE_TMA:
                             async_proxy_fence()
+                        nxt = -1
+                        if EARLY_TICKETS:  # see BackwardTiles.early_tickets
+                            nxt = take_ticket(heads + Q_DH, open_q, OPEN_DH)
                         n_tiles_e = pick(tiles_el, el_idx, e)
                         local = q - first
                         ib = local // n_tiles_e
@@ -448,7 +471,7 @@ def expert_backward_kernel(
                         if SAVED == SAVED_ALL:
                             part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw,
                                                         dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                        TILE_TMA)
+                                                        TILE_TMA, PROFILE, profile_ptr)
                         else:
                             use_kept = False
                             if SAVED == SAVED_SOME:
@@ -456,7 +479,7 @@ def expert_backward_kernel(
                             if use_kept:
                                 part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
                                                             hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                            TILE_TMA)
+                                                            TILE_TMA, PROFILE, profile_ptr)
                             else:
                                 w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
                                 part = recomputed_swiglu_backward(recv_x + rows.to(tl.int64) * H,
@@ -469,6 +492,8 @@ def expert_backward_kernel(
                         tl.atomic_add(ctl + C_DH_EXP + e, 1, sem="release", scope="gpu")
                         did = 4
                         q = -1
+                        if EARLY_TICKETS:
+                            q, open_q = settle_ticket(nxt, n_dh, open_q, OPEN_DH)
                 held_dh = q
 
         # ---- FEED: layout tiles, count exchange, send-list tiles, dispatch chunks ----
