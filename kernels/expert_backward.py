@@ -75,7 +75,7 @@ from .queues import (
 from .route import routing_backward
 from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
-    async_proxy_fence, peer_ptr, record_error, signal_add,
+    async_proxy_fence, peer_ptr, prefetch_l2, record_error, signal_add,
 )
 from .tile_gemm import column_halves, row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
 
@@ -166,7 +166,7 @@ def kept_swiglu_backward(
     g_ptr, n_rows, w_down_ptr, kept, wgt, r64, row_ok, n0, hw, dgu,
     H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_EPI: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-    PROFILE: tl.constexpr, profile_ptr,
+    PROFILE: tl.constexpr, profile_ptr, PREFETCH: tl.constexpr = False,
 ):
     """A SwiGLU-backward tile whose rows' gate and up projections the forward kept (``kept``:
     one pointer per row): ``dh' = g @ Wd[:, n0:n0+BN]`` is its only GEMM. The epilogue runs in
@@ -174,6 +174,15 @@ def kept_swiglu_backward(
     784 B of spills, H200: 2.94 -> 2.24 ms busy per worker, DeepSeek-V3 one-rank view), or in
     quarters where a quarter is still ``BN_EPI`` columns wide (256-column tiles beside per-block
     weight-gradient loops: 776 B of spills against 1,668 in halves)."""
+    if PREFETCH:
+        # The epilogue's kept projections (both halves, 128-byte lines) into L2 while the GEMM
+        # runs: written by the forward, they are in HBM. Rows past the tile's own point at the
+        # weights instead, which are mapped.
+        LINE: tl.constexpr = 128 * 8 // kept.dtype.element_ty.primitive_bitwidth
+        N_LINES: tl.constexpr = (BN + LINE - 1) // LINE
+        j = tl.arange(0, 2 * N_LINES)
+        col = tl.minimum(n0 + (j % N_LINES) * LINE, I - 1) + (j // N_LINES) * I
+        prefetch_l2(tl.where(row_ok[:, None], kept[:, None] + col[None, :], w_down_ptr))
     dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA)
     t_epilogue = now() if PROFILE else 0
     lo, hi = column_halves(dh1, BM, BN // 2)
@@ -238,7 +247,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    EARLY_TICKETS: tl.constexpr = False,
+    EARLY_TICKETS: tl.constexpr = False, PREFETCH_KEPT: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -471,7 +480,7 @@ def expert_backward_kernel(
                         if SAVED == SAVED_ALL:
                             part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw,
                                                         dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                        TILE_TMA, PROFILE, profile_ptr)
+                                                        TILE_TMA, PROFILE, profile_ptr, PREFETCH_KEPT)
                         else:
                             use_kept = False
                             if SAVED == SAVED_SOME:
@@ -479,7 +488,7 @@ def expert_backward_kernel(
                             if use_kept:
                                 part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
                                                             hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                            TILE_TMA, PROFILE, profile_ptr)
+                                                            TILE_TMA, PROFILE, profile_ptr, PREFETCH_KEPT)
                             else:
                                 w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
                                 part = recomputed_swiglu_backward(recv_x + rows.to(tl.int64) * H,

@@ -312,6 +312,10 @@ class BackwardTiles:
     # once, so the claim's round trip overlaps the tile, as the forward's GEMM tiles do
     # (kernels.expert_forward, "Claiming: tickets"). Off until timed (variant early_tickets).
     early_tickets: bool = False
+    # The kept-projection SwiGLU-backward tiles ask for their epilogue's gate and up
+    # projections to be brought into L2 as they start, so that the loads after the GEMM do not
+    # wait on HBM (GPU only). Off until timed (variant prefetch_kept).
+    prefetch_kept: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
