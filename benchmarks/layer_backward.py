@@ -84,10 +84,6 @@ VARIANTS = {
     "wgrad_stages3": _backward_tiles(wgrad_stages=3),
     # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),
-    # SwiGLU-backward and dx tiles take their next ticket as they start.
-    "early_tickets": _backward_tiles(early_tickets=True),
-    # The kept projections of a SwiGLU-backward tile brought into L2 while its GEMM runs.
-    "prefetch_kept": _backward_tiles(prefetch_kept=True),
 }
 
 

@@ -50,6 +50,8 @@ TILE_VARIANTS = {
     "stages4": dataclasses.replace(GPU_TILES, stages=4),
     "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),
     "no_row_hint": dataclasses.replace(GPU_TILES, row_alignment_hint=False),
+    # The route tiles before d522b32 (64 tokens, 32 experts a step). H100 80GB, stop 36, one run:
+    # 11.61 against 11.57 ms at DeepSeek-V3 256 experts, 3.76 against 3.40 at Qwen3 128.
     "route64_depth32": dataclasses.replace(GPU_TILES, route_tokens=64, route_depth=32),
     "gate_up_two_dots": dataclasses.replace(GPU_TILES, gate_up_one_dot=False),
     "down_stages4": dataclasses.replace(GPU_TILES, down_stages=4),

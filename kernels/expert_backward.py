@@ -70,12 +70,12 @@ import triton.language as tl
 from .profile import now
 from .queues import (
     claim, combine_destination, count_flags, dispatch_chunk, expert_tasks, fold_block, locate, pick, poll_counts,
-    record_missing_counts, settle_ticket, take_ticket,
+    record_missing_counts,
 )
 from .route import routing_backward
 from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
-    async_proxy_fence, peer_ptr, prefetch_l2, record_error, signal_add,
+    async_proxy_fence, peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import column_halves, row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
 
@@ -166,7 +166,7 @@ def kept_swiglu_backward(
     g_ptr, n_rows, w_down_ptr, kept, wgt, r64, row_ok, n0, hw, dgu,
     H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_EPI: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-    PROFILE: tl.constexpr, profile_ptr, PREFETCH: tl.constexpr = False,
+    PROFILE: tl.constexpr, profile_ptr,
 ):
     """A SwiGLU-backward tile whose rows' gate and up projections the forward kept (``kept``:
     one pointer per row): ``dh' = g @ Wd[:, n0:n0+BN]`` is its only GEMM. The epilogue runs in
@@ -174,15 +174,6 @@ def kept_swiglu_backward(
     784 B of spills, H200: 2.94 -> 2.24 ms busy per worker, DeepSeek-V3 one-rank view), or in
     quarters where a quarter is still ``BN_EPI`` columns wide (256-column tiles beside per-block
     weight-gradient loops: 776 B of spills against 1,668 in halves)."""
-    if PREFETCH:
-        # The epilogue's kept projections (both halves, 128-byte lines) into L2 while the GEMM
-        # runs: written by the forward, they are in HBM. Rows past the tile's own point at the
-        # weights instead, which are mapped.
-        LINE: tl.constexpr = 128 * 8 // kept.dtype.element_ty.primitive_bitwidth
-        N_LINES: tl.constexpr = (BN + LINE - 1) // LINE
-        j = tl.arange(0, 2 * N_LINES)
-        col = tl.minimum(n0 + (j % N_LINES) * LINE, I - 1) + (j // N_LINES) * I
-        prefetch_l2(tl.where(row_ok[:, None], kept[:, None] + col[None, :], w_down_ptr))
     dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA)
     t_epilogue = now() if PROFILE else 0
     lo, hi = column_halves(dh1, BM, BN // 2)
@@ -247,7 +238,6 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    EARLY_TICKETS: tl.constexpr = False, PREFETCH_KEPT: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -354,9 +344,6 @@ def expert_backward_kernel(
                         tl.debug_barrier()
                         if PROXY_FENCE & TILE_TMA:
                             async_proxy_fence()
-                        nxt = -1
-                        if EARLY_TICKETS:  # see BackwardTiles.early_tickets
-                            nxt = take_ticket(heads + Q_DX, open_q, OPEN_DX)
                         row0 = pick(row_start_el, el_idx, e) + m * BM
                         n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
                         acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
@@ -389,8 +376,6 @@ def expert_backward_kernel(
                             tl.atomic_add(profile_ptr + PROFILE_DX_EPILOGUE, now() - t_epilogue, sem="relaxed")
                         did = 5
                         q = -1
-                        if EARLY_TICKETS:
-                            q, open_q = settle_ticket(nxt, n_dx, open_q, OPEN_DX)
                 held_dx = q
 
         # ---- RBWD ----
@@ -455,9 +440,6 @@ def expert_backward_kernel(
                         tl.debug_barrier()
                         if PROXY_FENCE & TILE_TMA:
                             async_proxy_fence()
-                        nxt = -1
-                        if EARLY_TICKETS:  # see BackwardTiles.early_tickets
-                            nxt = take_ticket(heads + Q_DH, open_q, OPEN_DH)
                         n_tiles_e = pick(tiles_el, el_idx, e)
                         local = q - first
                         ib = local // n_tiles_e
@@ -480,7 +462,7 @@ def expert_backward_kernel(
                         if SAVED == SAVED_ALL:
                             part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw,
                                                         dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                        TILE_TMA, PROFILE, profile_ptr, PREFETCH_KEPT)
+                                                        TILE_TMA, PROFILE, profile_ptr)
                         else:
                             use_kept = False
                             if SAVED == SAVED_SOME:
@@ -488,7 +470,7 @@ def expert_backward_kernel(
                             if use_kept:
                                 part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
                                                             hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                            TILE_TMA, PROFILE, profile_ptr, PREFETCH_KEPT)
+                                                            TILE_TMA, PROFILE, profile_ptr)
                             else:
                                 w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
                                 part = recomputed_swiglu_backward(recv_x + rows.to(tl.int64) * H,
@@ -501,8 +483,6 @@ def expert_backward_kernel(
                         tl.atomic_add(ctl + C_DH_EXP + e, 1, sem="release", scope="gpu")
                         did = 4
                         q = -1
-                        if EARLY_TICKETS:
-                            q, open_q = settle_ticket(nxt, n_dh, open_q, OPEN_DH)
                 held_dh = q
 
         # ---- FEED: layout tiles, count exchange, send-list tiles, dispatch chunks ----

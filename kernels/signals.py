@@ -67,15 +67,6 @@ def async_proxy_fence():
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-    """Ask for the 128-byte line holding each of ``ptrs`` to be brought into L2, without waiting:
-    for data a task reads only after a long GEMM (GPU only: the interpreter has no inline
-    assembly)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def signal_add(ptr, value, SCOPE: tl.constexpr):
     """Publish the data every thread stored before this call, then add ``value`` to the signal."""
     tl.debug_barrier()

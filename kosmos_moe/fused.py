@@ -814,7 +814,6 @@ class FusedBackward(_PersistentLaunch):
             TILE_TMA=t.tile_tma and tma,
             # The interpreter has no inline assembly, and no proxies to order.
             PROXY_FENCE=self._targets_gpu(on_gpu),
-            PREFETCH_KEPT=t.prefetch_kept and self._targets_gpu(on_gpu),
         )
 
     def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:

@@ -308,14 +308,6 @@ class BackwardTiles:
     # experts 18.81 / 20.58, Qwen3 16 experts 7.82 / 8.36, DeepSeek-V3 256 experts 40.09 /
     # 40.09, Qwen3 128 experts 11.67 / 11.71.
     wgrad_block_loops: bool = True
-    # A worker that starts a SwiGLU-backward or dx tile takes its next ticket of that queue at
-    # once, so the claim's round trip overlaps the tile, as the forward's GEMM tiles do
-    # (kernels.expert_forward, "Claiming: tickets"). Off until timed (variant early_tickets).
-    early_tickets: bool = False
-    # The kept-projection SwiGLU-backward tiles ask for their epilogue's gate and up
-    # projections to be brought into L2 as they start, so that the loads after the GEMM do not
-    # wait on HBM (GPU only). Off until timed (variant prefetch_kept).
-    prefetch_kept: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -333,7 +325,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            EARLY_TICKETS=self.early_tickets, num_warps=self.warps,
+            num_warps=self.warps,
         )
 
 
