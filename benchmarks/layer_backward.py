@@ -84,6 +84,8 @@ VARIANTS = {
     "wgrad_stages3": _backward_tiles(wgrad_stages=3),
     # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),
+    # [dg du] and w h of the kept-projection SwiGLU-backward tiles stored by TMA.
+    "swiglu_tma_store": _backward_tiles(swiglu_tma_store=True),
 }
 
 
