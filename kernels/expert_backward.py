@@ -145,6 +145,9 @@ def swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, n0, hw, dgu, I: tl.con
     sig = tl.sigmoid(a)
     silu = a * sig
     dh = dh1 * wgt[:, None]
+    # Each branch writes its values out in full: naming them once before the branch changed the
+    # default's register allocation (offline: 876 against 872 B of spills at Qwen3 128 experts,
+    # or 732 against 728 at DeepSeek-V3 32 experts, by where the names went).
     if TMA_STORE:
         dg_desc.store([0, n0], (dh * u * (sig + silu * (1.0 - sig))).to(DT))
         du_desc.store([0, n0], (dh * silu).to(DT))

@@ -261,9 +261,10 @@ def test_deepseek_v3_like_shape():
 @pytest.mark.parametrize("world", [1, 4])
 def test_swiglu_results_stored_by_tma(world):
     """BackwardTiles.swiglu_tma_store: the SwiGLU-backward tiles' [dg du] and w h leave by TMA
-    and are read by the dx and weight-gradient tasks of other workers in the same launch, so a
-    missing wait for the stores shows as wrong gradients. World 4 keeps only some rows'
-    projections (save_gate_up), so its kernel holds the recomputing tiles too."""
+    and are read by the dx and weight-gradient tasks of other workers in the same launch: a
+    store read before it lands gives wrong gradients (a race, so it may also go unseen in one
+    run; two calls per world). World 4 keeps only some rows' projections (save_gate_up), so
+    its kernel holds the recomputing tiles too."""
     import dataclasses
 
     from kosmos_moe.workspace import GPU_BACKWARD_TILES
