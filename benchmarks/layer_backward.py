@@ -84,11 +84,6 @@ VARIANTS = {
     "wgrad_stages3": _backward_tiles(wgrad_stages=3),
     # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),
-    # [dg du] and w h of the kept-projection SwiGLU-backward tiles stored by TMA.
-    "swiglu_tma_store": _backward_tiles(swiglu_tma_store=True),
-    # dx and SwiGLU-backward steps 128 deep in two stages (196,640 B of shared memory offline):
-    # half the loop iterations, and so half the barriers and copy waits per product.
-    "depth128": _backward_tiles(depth=128, dx_stages=2),
 }
 
 

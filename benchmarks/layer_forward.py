@@ -58,10 +58,6 @@ TILE_VARIANTS = {
     # Four stages for every expert tile (196,640 B of shared memory offline): more weight
     # bytes in flight per worker where the weights' bandwidth bounds the layer (256 experts).
     "all_stages4": dataclasses.replace(GPU_TILES, stages=4, down_stages=4),
-    # Steps 128 deep in two stages (196,624 B of shared memory offline, DeepSeek-V3 rank view):
-    # half the loop iterations, so half the barriers and copy-wait points per product, with one
-    # step of lookahead instead of two.
-    "depth128": dataclasses.replace(GPU_TILES, depth=128, stages=2, down_stages=2),
     # Two workers of one warpgroup per SM (Tiles.workers_per_sm), each tile a warpgroup's:
     # 128 x 128 tiles (gate/up as one dot of 64 + 64 columns) in 3 stages (98 KB of shared
     # memory offline, so two fit), or 64 x 256 tiles in 2 stages (82 KB).

@@ -75,7 +75,7 @@ from .queues import (
 from .route import routing_backward
 from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
-    async_proxy_fence, bulk_stores_written, peer_ptr, record_error, signal_add,
+    async_proxy_fence, peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import column_halves, row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
 
@@ -130,12 +130,9 @@ def _wait_at_least(ptr, target, wait_bound, SCOPE: tl.constexpr):
 
 
 @triton.jit
-def swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, n0, hw, dgu, I: tl.constexpr, BN: tl.constexpr,
-                             dg_desc=None, du_desc=None, hw_desc=None, TMA_STORE: tl.constexpr = False):
+def swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, n0, hw, dgu, I: tl.constexpr, BN: tl.constexpr):
     """Store ``w h`` and ``[dg du]`` of columns ``n0 : n0 + BN`` from ``dh'``, the gate and up
-    projections and the routing weights; return each row's partial ``<dh', h>``. With
-    ``TMA_STORE`` the stores go through the descriptors, each over exactly the tile's rows (the
-    copy engine drops rows and columns past its shape)."""
+    projections and the routing weights; return each row's partial ``<dh', h>``."""
     DT = hw.dtype.element_ty
     cols = n0 + tl.arange(0, BN)
     m2 = row_ok[:, None] & (cols < I)[None, :]
@@ -145,88 +142,51 @@ def swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, n0, hw, dgu, I: tl.con
     sig = tl.sigmoid(a)
     silu = a * sig
     dh = dh1 * wgt[:, None]
-    # Each branch writes its values out in full: naming them once before the branch changed the
-    # default's register allocation (offline: 876 against 872 B of spills at Qwen3 128 experts,
-    # or 732 against 728 at DeepSeek-V3 32 experts, by where the names went).
-    if TMA_STORE:
-        dg_desc.store([0, n0], (dh * u * (sig + silu * (1.0 - sig))).to(DT))
-        du_desc.store([0, n0], (dh * silu).to(DT))
-    else:
-        tl.store(dgu + r64 * (2 * I) + cols[None, :], (dh * u * (sig + silu * (1.0 - sig))).to(DT), mask=m2)
-        tl.store(dgu + r64 * (2 * I) + I + cols[None, :], (dh * silu).to(DT), mask=m2)
+    tl.store(dgu + r64 * (2 * I) + cols[None, :], (dh * u * (sig + silu * (1.0 - sig))).to(DT), mask=m2)
+    tl.store(dgu + r64 * (2 * I) + I + cols[None, :], (dh * silu).to(DT), mask=m2)
     h = silu * u
-    if TMA_STORE:
-        hw_desc.store([0, n0], (h * wgt[:, None]).to(DT))
-    else:
-        tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
+    tl.store(hw + r64 * I + cols[None, :], (h * wgt[:, None]).to(DT), mask=m2)
     part = tl.sum(tl.where(m2, dh1 * h, 0.0), axis=1)
     return part
 
 
 @triton.jit
-def kept_half_epilogue(dh1, kept, wgt, r64, row_ok, n0, hw, dgu, I: tl.constexpr, BN: tl.constexpr,
-                       dg_desc, du_desc, hw_desc, TMA_STORE: tl.constexpr):
+def kept_half_epilogue(dh1, kept, wgt, r64, row_ok, n0, hw, dgu, I: tl.constexpr, BN: tl.constexpr):
     """``swiglu_backward_epilogue`` with the gate and up projections read where the forward kept them."""
     cols = n0 + tl.arange(0, BN)
     ok = row_ok[:, None] & (cols < I)[None, :]
     at = kept[:, None] + cols[None, :]
     a = tl.load(at, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(at + I, mask=ok, other=0.0).to(tl.float32)
-    return swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, n0, hw, dgu, I, BN, dg_desc, du_desc, hw_desc,
-                                    TMA_STORE)
+    return swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, n0, hw, dgu, I, BN)
 
 
 @triton.jit
 def kept_swiglu_backward(
-    g_ptr, row0, n_rows, w_down_ptr, kept, wgt, r64, row_ok, n0, hw, dgu,
+    g_ptr, n_rows, w_down_ptr, kept, wgt, r64, row_ok, n0, hw, dgu,
     H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_EPI: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-    PROFILE: tl.constexpr, profile_ptr, TMA_STORE: tl.constexpr = False, GPU: tl.constexpr = False,
+    PROFILE: tl.constexpr, profile_ptr,
 ):
     """A SwiGLU-backward tile whose rows' gate and up projections the forward kept (``kept``:
     one pointer per row): ``dh' = g @ Wd[:, n0:n0+BN]`` is its only GEMM. The epilogue runs in
     two column halves, so that fewer whole tiles are live at once (offline sm_90: 2,796 ->
     784 B of spills, H200: 2.94 -> 2.24 ms busy per worker, DeepSeek-V3 one-rank view), or in
     quarters where a quarter is still ``BN_EPI`` columns wide (256-column tiles beside per-block
-    weight-gradient loops: 776 B of spills against 1,668 in halves).
-
-    ``TMA_STORE`` (``BackwardTiles.swiglu_tma_store``): ``[dg du]`` and ``w h`` leave by TMA,
-    through descriptors over the tile's ``n_rows`` rows, and on the GPU the tile returns once
-    they are written (its caller then signals the dx and weight-gradient tasks that read them).
-    """
-    QUARTERS: tl.constexpr = BN >= 4 * BN_EPI
-    BQ: tl.constexpr = BN // 4 if QUARTERS else BN // 2
-    dg_desc = dgu
-    du_desc = dgu
-    hw_desc = hw
-    if TMA_STORE:
-        r0 = row0.to(tl.int64)
-        dg_desc = tl.make_tensor_descriptor(dgu + r0 * (2 * I), shape=[n_rows, I], strides=[2 * I, 1],
-                                            block_shape=[BM, BQ])
-        du_desc = tl.make_tensor_descriptor(dgu + r0 * (2 * I) + I, shape=[n_rows, I], strides=[2 * I, 1],
-                                            block_shape=[BM, BQ])
-        hw_desc = tl.make_tensor_descriptor(hw + r0 * I, shape=[n_rows, I], strides=[I, 1], block_shape=[BM, BQ])
+    weight-gradient loops: 776 B of spills against 1,668 in halves)."""
     dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA)
     t_epilogue = now() if PROFILE else 0
     lo, hi = column_halves(dh1, BM, BN // 2)
-    if QUARTERS:
-        q0, q1 = column_halves(lo, BM, BQ)
-        part = kept_half_epilogue(q0, kept, wgt, r64, row_ok, n0, hw, dgu, I, BQ, dg_desc, du_desc, hw_desc,
-                                  TMA_STORE)
-        part += kept_half_epilogue(q1, kept, wgt, r64, row_ok, n0 + BQ, hw, dgu, I, BQ, dg_desc, du_desc, hw_desc,
-                                   TMA_STORE)
-        q2, q3 = column_halves(hi, BM, BQ)
-        part += kept_half_epilogue(q2, kept, wgt, r64, row_ok, n0 + 2 * BQ, hw, dgu, I, BQ, dg_desc, du_desc,
-                                   hw_desc, TMA_STORE)
-        part += kept_half_epilogue(q3, kept, wgt, r64, row_ok, n0 + 3 * BQ, hw, dgu, I, BQ, dg_desc, du_desc,
-                                   hw_desc, TMA_STORE)
+    if BN >= 4 * BN_EPI:
+        q0, q1 = column_halves(lo, BM, BN // 4)
+        part = kept_half_epilogue(q0, kept, wgt, r64, row_ok, n0, hw, dgu, I, BN // 4)
+        part += kept_half_epilogue(q1, kept, wgt, r64, row_ok, n0 + BN // 4, hw, dgu, I, BN // 4)
+        q2, q3 = column_halves(hi, BM, BN // 4)
+        part += kept_half_epilogue(q2, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 4)
+        part += kept_half_epilogue(q3, kept, wgt, r64, row_ok, n0 + 3 * BN // 4, hw, dgu, I, BN // 4)
     else:
-        part = kept_half_epilogue(lo, kept, wgt, r64, row_ok, n0, hw, dgu, I, BQ, dg_desc, du_desc, hw_desc,
-                                  TMA_STORE)
-        part += kept_half_epilogue(hi, kept, wgt, r64, row_ok, n0 + BQ, hw, dgu, I, BQ, dg_desc, du_desc, hw_desc,
-                                   TMA_STORE)
-    if TMA_STORE & GPU:
-        bulk_stores_written()
+        part = kept_half_epilogue(lo, kept, wgt, r64, row_ok, n0, hw, dgu, I, BN // 2)
+        part += kept_half_epilogue(hi, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 2)
     if PROFILE:
         tl.atomic_add(profile_ptr + PROFILE_DH_EPILOGUE, now() - t_epilogue, sem="relaxed")
     return part
@@ -278,7 +238,6 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    DH_TMA_STORE: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -501,18 +460,17 @@ def expert_backward_kernel(
                         kept = saved_ptr + fwd.to(tl.int64) * (2 * I)
                         g_rows = recv_g + row0.to(tl.int64) * H
                         if SAVED == SAVED_ALL:
-                            part = kept_swiglu_backward(g_rows, row0, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
-                                                        hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                        TILE_TMA, PROFILE, profile_ptr, DH_TMA_STORE, PROXY_FENCE)
+                            part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw,
+                                                        dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
+                                                        TILE_TMA, PROFILE, profile_ptr)
                         else:
                             use_kept = False
                             if SAVED == SAVED_SOME:
                                 use_kept = (tl.max(tl.where(row_ok, fwd, 0), axis=0) < save_cap) & (save_cap > 0)
                             if use_kept:
-                                part = kept_swiglu_backward(g_rows, row0, n_rows, w_dn, kept, wgt, r64, row_ok,
-                                                            ib * BN_DH, hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE,
-                                                            DX_STAGES, TILE_TMA, PROFILE, profile_ptr, DH_TMA_STORE,
-                                                            PROXY_FENCE)
+                                part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
+                                                            hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
+                                                            TILE_TMA, PROFILE, profile_ptr)
                             else:
                                 w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
                                 part = recomputed_swiglu_backward(recv_x + rows.to(tl.int64) * H,

@@ -67,15 +67,6 @@ def async_proxy_fence():
 
 
 @triton.jit
-def bulk_stores_written():
-    """After this thread's TMA stores, before signalling their readers: wait until the stores
-    are written, not only until their shared-memory source is read (which is all Triton waits
-    for), then order them before the thread's later generic-proxy accesses."""
-    tl.inline_asm_elementwise("cp.async.bulk.wait_group 0; fence.proxy.async.global; mov.u32 $0, 0;", "=r", [],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def signal_add(ptr, value, SCOPE: tl.constexpr):
     """Publish the data every thread stored before this call, then add ``value`` to the signal."""
     tl.debug_barrier()

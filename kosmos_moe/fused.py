@@ -811,7 +811,7 @@ class FusedBackward(_PersistentLaunch):
         return dict(
             super()._build_constexprs(dtype, on_gpu),
             WG_TMA=t.wgrad_tma and tma, WG_TMA_STORE=t.wgrad_tma and t.wgrad_tma_store and tma,
-            TILE_TMA=t.tile_tma and tma, DH_TMA_STORE=t.swiglu_tma_store and tma,
+            TILE_TMA=t.tile_tma and tma,
             # The interpreter has no inline assembly, and no proxies to order.
             PROXY_FENCE=self._targets_gpu(on_gpu),
         )

@@ -309,12 +309,6 @@ class BackwardTiles:
     # experts 18.81 / 20.58, Qwen3 16 experts 7.82 / 8.36, DeepSeek-V3 256 experts 40.09 /
     # 40.09, Qwen3 128 experts 11.67 / 11.71.
     wgrad_block_loops: bool = True
-    # The kept-projection SwiGLU-backward tiles store [dg du] and w h by TMA (where
-    # kosmos_moe.fused.backward_tma_usable allows) instead of from registers. H100 80GB, stop 36:
-    # their epilogue (after the last dot) took 26 us of a 117 us tile at DeepSeek-V3 32 experts,
-    # 25 of 79 at Qwen3 16 experts, for 128 KB read and 192 KB stored. Off until timed (variant
-    # swiglu_tma_store).
-    swiglu_tma_store: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)

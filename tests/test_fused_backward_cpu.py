@@ -307,15 +307,14 @@ def check_gemm_operands(rank, world, items, tma, block_loops):
     from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
 
     # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters.
-    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma, swiglu_tma_store=tma,
+    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma,
                                 wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16)
     check_cases(rank, world, items, backward_tiles=tiles)
     _, fused = build(world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
     launch.prepare(torch.float32)
     consts = launch._common_constexprs(torch.float32)  # what each launch passes
-    assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is tma and consts["DH_TMA_STORE"] is tma
-    assert consts["PROXY_FENCE"] is False
+    assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is tma and consts["PROXY_FENCE"] is False
 
 
 @pytest.mark.parametrize("tma, block_loops", [(False, False), (True, True)],
@@ -325,10 +324,7 @@ def test_backward_gemm_operands(tma, block_loops):
     TMA (the default here: the interpreter emulates it); the one_rank skew leaves the first
     rank's experts without rows, whose weight gradients must be zeros. The pointer run also
     reduces each weight-gradient strip in one flat loop (wgrad_block_loops off) and runs the
-    SwiGLU-backward epilogue in column halves (swiglu_epilogue_cols), the defaults until stop 34.
-    The TMA run also stores the SwiGLU-backward tiles' results by TMA (swiglu_tma_store), in
-    quarters, over tiles with fewer rows than a tile and a last quarter past the intermediate
-    width."""
+    SwiGLU-backward epilogue in column halves (swiglu_epilogue_cols), the defaults until stop 34."""
     run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, block_loops, env=INTERPRET)
 
 

@@ -39,9 +39,8 @@ REPLICATED = ("gate.weight", "shared_experts.gate_proj.weight", "shared_experts.
 ROUTER_MIN_TOKENS = 64
 
 
-def make_world(case, world, skew="none", max_tokens=768, workers=None, backward_tiles=None):
-    full, emulated, layers = emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND,
-                                                backward_tiles=backward_tiles)
+def make_world(case, world, skew="none", max_tokens=768, workers=None):
+    full, emulated, layers = emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND)
     return full, fp32_truth(full, case), emulated, layers
 
 
@@ -148,9 +147,8 @@ def check_against_reference(full, truth, layers, batches, outs, x_grads, what):
             assert_within(p.grad, ref_own[name], tru_own[name], f"{what} rank {r}: {name} (own tokens)")
 
 
-def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_tokens=768, workers=None,
-          backward_tiles=None):
-    full, truth, emulated, layers = make_world(case, world, skew, max_tokens, workers, backward_tiles)
+def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_tokens=768, workers=None):
+    full, truth, emulated, layers = make_world(case, world, skew, max_tokens, workers)
     counts = counts or COUNTS[:world]
     what = f"{case} world {world} skew {skew} {pattern}"
     if pattern == "fused":
@@ -256,20 +254,3 @@ def test_backward_is_deterministic(world):
 def test_deepseek_v3_like_shape():
     """64 experts, top-8 of 4 of 8 groups, 1 shared expert, 8 ranks of ~1000 tokens (one empty, one of 1)."""
     check("deepseek_v3_like", 8, counts=DEEPSEEK_COUNTS, max_tokens=1024)
-
-
-@pytest.mark.parametrize("world", [1, 4])
-def test_swiglu_results_stored_by_tma(world):
-    """BackwardTiles.swiglu_tma_store: the SwiGLU-backward tiles' [dg du] and w h leave by TMA
-    and are read by the dx and weight-gradient tasks of other workers in the same launch: a
-    store read before it lands gives wrong gradients (a race, so it may also go unseen in one
-    run; two calls per world). World 4 keeps only some rows' projections (save_gate_up), so
-    its kernel holds the recomputing tiles too."""
-    import dataclasses
-
-    from kosmos_moe.workspace import GPU_BACKWARD_TILES
-
-    layers = check("sigmoid_group_shared", world, calls=2,
-                   backward_tiles=dataclasses.replace(GPU_BACKWARD_TILES, swiglu_tma_store=True))
-    consts = layers[0].fused().backward._common_constexprs(torch.bfloat16)
-    assert consts["DH_TMA_STORE"] and consts["PROXY_FENCE"], "the TMA stores and their wait were not compiled in"
