@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from common import require_cuda
-from layer_forward import CASES, TOKENS, ceilings, log, timed, work
+from layer_forward import CASES, TOKENS, ceilings, describe_task_times, log, task_times, timed, work
 
 from kosmos_moe import ExpertLayer
 from kosmos_moe.activation_memory import saved_bytes
@@ -262,19 +262,9 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default", tra
             if key == "backward":
                 # Per GEMM task: the mean time and, for the kept-projection SwiGLU-backward and
                 # the dx tiles, the part after the last dot (the recomputing tiles have no timer).
-                per_task = {}
-                for kind in ("swiglu_backward", "dx", "weight_grad"):
-                    tasks = sum(rep[kind]["passes"] for rep in reports)
-                    seconds = sum(rep[kind]["seconds"] for rep in reports)
-                    per_task[kind] = {"tasks": tasks, "us_per_task": 1e6 * seconds / max(tasks, 1)}
-                    if f"{kind}_epilogue" in reports[0]:
-                        epilogue = sum(rep[f"{kind}_epilogue"]["seconds"] for rep in reports)
-                        per_task[kind]["epilogue_us_per_task"] = 1e6 * epilogue / max(tasks, 1)
+                per_task = task_times(reports, ("swiglu_backward", "dx", "weight_grad"))
                 result["backward_per_task"] = per_task
-                log(f"[{name}] backward per task: " + ", ".join(
-                    f"{k} {t['tasks']} x {t['us_per_task']:.1f} us"
-                    + (f" (after the last dot {t['epilogue_us_per_task']:.1f})" if "epilogue_us_per_task" in t else "")
-                    for k, t in per_task.items()))
+                log(f"[{name}] backward per task: " + describe_task_times(per_task))
     del layers, world, full
     torch.cuda.empty_cache()
     return result

@@ -125,6 +125,27 @@ def work(config, tokens: int, experts_touched: int) -> dict[str, float]:
     return {"gemm_flops": gemm, "flops": gemm + router, "weight_bytes": weight_bytes}
 
 
+def task_times(reports: list[dict], kinds: tuple[str, ...]) -> dict:
+    """Per task kind, over the ranks' profile reports: tasks run, mean microseconds per task and,
+    where the kernel times it (a ``KIND_epilogue`` slot), the part after the task's last dot."""
+    times = {}
+    for kind in kinds:
+        tasks = sum(rep[kind]["passes"] for rep in reports)
+        seconds = sum(rep[kind]["seconds"] for rep in reports)
+        times[kind] = {"tasks": tasks, "us_per_task": 1e6 * seconds / max(tasks, 1)}
+        if f"{kind}_epilogue" in reports[0]:
+            epilogue = sum(rep[f"{kind}_epilogue"]["seconds"] for rep in reports)
+            times[kind]["epilogue_us_per_task"] = 1e6 * epilogue / max(tasks, 1)
+    return times
+
+
+def describe_task_times(times: dict) -> str:
+    """``task_times`` as one log line."""
+    return ", ".join(f"{k} {t['tasks']} x {t['us_per_task']:.1f} us"
+                     + (f" (after the last dot {t['epilogue_us_per_task']:.1f})" if "epilogue_us_per_task" in t else "")
+                     for k, t in times.items())
+
+
 def grouped_mm_alone(layer: ExpertLayer, x: torch.Tensor) -> float:
     """Seconds of the two ``torch._grouped_mm`` calls of the reference path on the same rows."""
     import torch.nn.functional as F
@@ -213,13 +234,7 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
         # Per routed tile: the mean task time and the part after its last dot. Tiles of two
         # reduction depths (gate/up H deep, down I deep) separate a per-step cost from a
         # per-tile one.
-        tile_us = {}
-        for kind in ("gate_up", "down"):
-            tiles_run = sum(rep[kind]["passes"] for rep in report)
-            seconds = sum(rep[kind]["seconds"] for rep in report)
-            epilogue = sum(rep[f"{kind}_epilogue"]["seconds"] for rep in report)
-            tile_us[kind] = {"tiles": tiles_run, "us_per_tile": 1e6 * seconds / max(tiles_run, 1),
-                             "epilogue_us_per_tile": 1e6 * epilogue / max(tiles_run, 1)}
+        tile_us = task_times(report, ("gate_up", "down"))
         v = {
             "tiles": dataclasses.asdict(tiles), "workers_per_rank": workers,
             "fused_ms": t_fused * 1e3, "speedup_vs_reference": t_ref / t_fused,
@@ -239,9 +254,7 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
             f"(synchronised calls {t_fused_sync * 1e3:.3f} ms, x{t_ref_sync / t_fused_sync:.2f}), "
             f"{100 * roof / t_fused:.0f}% of roofline, GEMM {v['in_kernel_gemm_tflops']:.0f} TFLOP/s in kernel "
             f"vs grouped_mm {result['grouped_mm_tflops']:.0f}; busy ms "
-            + ", ".join(f"{k} {s * 1e3:.3f}" for k, s in busy.items()) + "; per tile "
-            + ", ".join(f"{k} {t['tiles']} x {t['us_per_tile']:.1f} us (after the last dot {t['epilogue_us_per_tile']:.1f})"
-                        for k, t in tile_us.items()))
+            + ", ".join(f"{k} {s * 1e3:.3f}" for k, s in busy.items()) + "; per tile " + describe_task_times(tile_us))
         del layers, world, outs, out
         torch.cuda.empty_cache()
     del full

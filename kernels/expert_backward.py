@@ -84,8 +84,8 @@ PROFILE_SLOTS = ("idle", "layout", "count_exchange", "dispatch", "swiglu_backwar
                  "swiglu_backward_epilogue", "dx_epilogue")
 # Parts of the kept-projection SwiGLU-backward and the dx tiles' time above (not passes of
 # their own): from the tile's last dot to the end of its stores and signals.
-PROFILE_DH_EPILOGUE = tl.constexpr(10)
-PROFILE_DX_EPILOGUE = tl.constexpr(11)
+PROFILE_DH_EPILOGUE = tl.constexpr(PROFILE_SLOTS.index("swiglu_backward_epilogue"))
+PROFILE_DX_EPILOGUE = tl.constexpr(PROFILE_SLOTS.index("dx_epilogue"))
 
 Q_FEED = tl.constexpr(0)
 Q_DH = tl.constexpr(1)

@@ -121,8 +121,8 @@ PROFILE_SLOTS = ("idle", "route", "count_exchange", "dispatch", "gate_up", "down
                  "shared_gate_up", "shared_down", "fold", "gate_up_epilogue", "down_epilogue")
 # Parts of the routed GEMM tasks' time above (not passes of their own): from a tile's last
 # dot to the end of its stores (a down tile's: and of its arrival signals to the source ranks).
-PROFILE_GATE_UP_EPILOGUE = tl.constexpr(9)
-PROFILE_DOWN_EPILOGUE = tl.constexpr(10)
+PROFILE_GATE_UP_EPILOGUE = tl.constexpr(PROFILE_SLOTS.index("gate_up_epilogue"))
+PROFILE_DOWN_EPILOGUE = tl.constexpr(PROFILE_SLOTS.index("down_epilogue"))
 
 # Queue slots in the control block.
 Q_FEED = tl.constexpr(0)
