@@ -84,6 +84,9 @@ VARIANTS = {
     "wgrad_stages3": _backward_tiles(wgrad_stages=3),
     # The route backward's d logits @ Wr unpipelined.
     "route_stages1": _backward_tiles(route_stages=1),
+    # The route backward's d logits @ Wr with three copies in flight: slower than one (stop 38,
+    # H100, route backward 0.167 against 0.131 ms busy per worker at DeepSeek-V3 32 experts).
+    "route_stages4": _backward_tiles(route_stages=4),
 }
 
 

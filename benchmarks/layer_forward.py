@@ -53,6 +53,8 @@ TILE_VARIANTS = {
     # The route tiles before d522b32 (64 tokens, 32 experts a step). H100 80GB, stop 36, one run:
     # 11.61 against 11.57 ms at DeepSeek-V3 256 experts, 3.76 against 3.40 at Qwen3 128.
     "route64_depth32": dataclasses.replace(GPU_TILES, route_tokens=64, route_depth=32),
+    # The router GEMM with one copy in flight (the default until stop 38).
+    "route_stages2": dataclasses.replace(GPU_TILES, route_stages=2),
     "gate_up_two_dots": dataclasses.replace(GPU_TILES, gate_up_one_dot=False),
     "down_stages4": dataclasses.replace(GPU_TILES, down_stages=4),
     # Four stages for every expert tile (196,640 B of shared memory offline): more weight

@@ -72,7 +72,7 @@ from .queues import (
     claim, combine_destination, count_flags, dispatch_chunk, expert_tasks, fold_block, locate, pick, poll_counts,
     record_missing_counts,
 )
-from .route import routing_backward
+from .route import router_dot, routing_backward
 from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
     async_proxy_fence, peer_ptr, record_error, signal_add,
@@ -413,8 +413,8 @@ def expert_backward_kernel(
                                         mask=tok_ok[:, None] & (ek < E)[None, :], other=0.0)
                             wr = tl.load(router_w_ptr + ek[:, None] * H + cols[None, :],
                                          mask=(ek < E)[:, None] & (cols < H)[None, :], other=0.0).to(tl.float32)
-                            part = tl.dot(a, wr, tl.where(i % N_EK == 0, 0.0, part),
-                                          input_precision=ROUTER_PRECISION)
+                            part = router_dot(a, wr, tl.where(i % N_EK == 0, 0.0, part), ROUTER_PRECISION, False,
+                                              router_w_ptr.dtype.element_ty.primitive_bitwidth == 16)
                             if i % N_EK == N_EK - 1:
                                 tl.store(comb + (t64[:, None] * SLOTS + TOP_K) * H + cols[None, :], part.to(DT),
                                          mask=tok_ok[:, None] & (cols < H)[None, :])
@@ -634,7 +634,8 @@ def expert_backward_kernel(
                                          mask=ok[:, None] & (mcols < E)[None, :], other=0.0)
                             b = tl.load(x_ptr + toks[:, None] * H + ncols[None, :],
                                         mask=ok[:, None] & (ncols < H)[None, :], other=0.0).to(tl.float32)
-                            acc = tl.dot(tl.trans(at), b, acc, input_precision=ROUTER_PRECISION)
+                            acc = router_dot(tl.trans(at), b, acc, ROUTER_PRECISION, False,
+                                             x_ptr.dtype.element_ty.primitive_bitwidth == 16)
                         tl.store(d_router_ptr + mcols[:, None] * H + ncols[None, :], acc,
                                  mask=(mcols < E)[:, None] & (ncols < H)[None, :])
                         did = 9

@@ -256,9 +256,9 @@ def expert_forward_kernel(
     B_TOPK_W: tl.constexpr, B_RECV_W: tl.constexpr, B_RECV_X: tl.constexpr, B_H_R: tl.constexpr,
     B_H_S: tl.constexpr, B_COMB: tl.constexpr,
     # Tiles.
-    BT: tl.constexpr, BK_R: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr, BM: tl.constexpr, BN_GU: tl.constexpr,
-    BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr, BHF: tl.constexpr, STAGES: tl.constexpr,
-    DN_STAGES: tl.constexpr,
+    BT: tl.constexpr, BK_R: tl.constexpr, R_STAGES: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
+    BM: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
+    BHF: tl.constexpr, STAGES: tl.constexpr, DN_STAGES: tl.constexpr,
     TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -442,7 +442,7 @@ def expert_forward_kernel(
                     t0 = a * BT
                     n_rows = tl.minimum(n_tokens - t0, BT)
                     logits = router_logits(x_ptr + t0.to(tl.int64) * H, n_rows, router_w_ptr,
-                                           H, E, BT, E_PAD, BK_R, ROUTER_PRECISION)
+                                           H, E, BT, E_PAD, BK_R, R_STAGES, ROUTER_PRECISION)
                     toks = t0 + tl.arange(0, BT)
                     tok_ok = tl.arange(0, BT) < n_rows
                     if save_logits:

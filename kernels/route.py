@@ -10,26 +10,108 @@ import triton.language as tl
 
 
 @triton.jit
+def _tf32_round(v):
+    """``v`` rounded to tf32 (to nearest, ties away), as tf32x3 splits its operands."""
+    return tl.inline_asm_elementwise("cvt.rna.tf32.f32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _opaque_zeros(like):
+    """Zeros shaped as ``like`` that the compiler cannot see are zero: a dot started from them
+    is not folded into ``acc + dot`` (``dot(a, b, 0) + acc`` becomes ``dot(a, b, acc)``)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [like], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def router_dot(a, b, acc, PRECISION: tl.constexpr, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr):
+    """``acc + a @ b`` for fp32 ``a``, ``b``: ``tl.dot(a, b, acc, input_precision=PRECISION)``,
+    in two tensor-core products instead of three where one operand is exact in tf32.
+
+    tf32x3 sums three tf32 products of the operands' high and low tf32 parts, low ones first,
+    into a fresh accumulator (a NaN among the low products is dropped), then adds that to
+    ``acc`` in fp32. The fresh accumulator is what makes it accurate: one tf32 dot of bf16
+    values, exact in tf32, runs the whole sum in the tensor cores' accumulator and erred 30x
+    more (tests/test_route_tile_gpu.py). An operand that came from a 16-bit float (``A_EXACT``
+    or ``B_EXACT``: bf16 tokens, a bf16 router weight) has a zero low part, so the product with
+    the other's high part is zero; this runs the other two, in tf32x3's order, into a fresh
+    accumulator. Where the exact operand is infinite, tf32x3's low part of it is NaN and this
+    one's zero. Both exact: ``router_logits``.
+    """
+    if PRECISION == "tf32x3" and (A_EXACT != B_EXACT):
+        if B_EXACT:
+            a_hi = _tf32_round(a)
+            low = tl.dot(a - a_hi, b, input_precision="tf32")
+            out = acc + tl.dot(a_hi, b, tl.where(low != low, 0.0, low), input_precision="tf32")
+        else:
+            b_hi = _tf32_round(b)
+            low = tl.dot(a, b - b_hi, input_precision="tf32")
+            out = acc + tl.dot(a, b_hi, tl.where(low != low, 0.0, low), input_precision="tf32")
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
+def _tokens(x_ptr, rows, row_ok, k, H: tl.constexpr):
+    """``x[rows, k]`` in fp32 (zero outside)."""
+    return tl.load(x_ptr + rows.to(tl.int64)[:, None] * H + k[None, :], mask=row_ok[:, None] & (k < H)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _weight_t(w_ptr, cols, col_ok, k, H: tl.constexpr):
+    """``W[cols, k]^T`` in fp32 (zero outside)."""
+    return tl.load(w_ptr + cols[None, :] * H + k[:, None], mask=(k < H)[:, None] & col_ok[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
 def router_logits(
     x_ptr, n_rows, w_ptr,
     H: tl.constexpr, E: tl.constexpr, BT: tl.constexpr, E_PAD: tl.constexpr, BK: tl.constexpr,
-    PRECISION: tl.constexpr,
+    STAGES: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """fp32 ``x[:BT] @ W^T`` for ``W`` ``[E, H]``; padded rows and columns are zero."""
+    """fp32 ``x[:BT] @ W^T`` for ``W`` ``[E, H]``; padded rows and columns are zero.
+
+    A step is ``BT x E_PAD x BK``, a few KB of operands at a few dozen experts, so the loop is
+    bound by the copies' latency unless several are in flight (``STAGES - 1`` of them).
+
+    With tf32x3 and both operands from 16-bit floats (bf16 tokens and router weight), their
+    low tf32 parts are zero and a step is its high product alone: run into a fresh accumulator
+    and added in fp32, as tf32x3 does (``router_dot``), with a third of its tensor-core work.
+    It is as accurate as tf32x3 (tests/test_route_tile_gpu.py holds both to 3x torch's fp32
+    error) but not the same to the bit: on an H100 some logits differed in their last bits.
+    The product runs as two chained dots of half the depth, since a chain of dots is what
+    makes Triton spread the warps over the tokens alone (layout [8, 1]: each warp holds whole
+    rows of the logits, so the top-k's row reductions stay within a warp). As one dot it got
+    [2, 4], and the kernel's register allocation moved spills into the down tiles' epilogue
+    (offline sm_90, DeepSeek-V3 32 experts: 192 B against 12; those tiles took 1.3 us more
+    each on the H100, stop 38).
+    """
     rows = tl.arange(0, BT)
     cols = tl.arange(0, E_PAD)
-    ks = tl.arange(0, BK)
     row_ok = rows < n_rows
     col_ok = cols < E
+    ONE_PRODUCT: tl.constexpr = (PRECISION == "tf32x3") and (x_ptr.dtype.element_ty.primitive_bitwidth == 16) \
+        and (w_ptr.dtype.element_ty.primitive_bitwidth == 16)
     acc = tl.zeros([BT, E_PAD], dtype=tl.float32)
-    # fp32 operands and up to 256 expert columns: two stages keep shared memory in bounds.
-    for k0 in tl.range(0, H, BK, num_stages=2):
-        k_ok = (k0 + ks) < H
-        a = tl.load(x_ptr + rows.to(tl.int64)[:, None] * H + (k0 + ks)[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        b = tl.load(w_ptr + cols[None, :] * H + (k0 + ks)[:, None],
-                    mask=k_ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    if ONE_PRODUCT:
+        HALF: tl.constexpr = BK // 2
+        ks = tl.arange(0, HALF)
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            step = tl.dot(_tokens(x_ptr, rows, row_ok, k0 + ks, H), _weight_t(w_ptr, cols, col_ok, k0 + ks, H),
+                          _opaque_zeros(acc), input_precision="tf32")
+            step = tl.dot(_tokens(x_ptr, rows, row_ok, k0 + HALF + ks, H),
+                          _weight_t(w_ptr, cols, col_ok, k0 + HALF + ks, H), step, input_precision="tf32")
+            acc += step
+    else:
+        ks = tl.arange(0, BK)
+        for k0 in tl.range(0, H, BK, num_stages=STAGES):
+            a = _tokens(x_ptr, rows, row_ok, k0 + ks, H)
+            acc = router_dot(a, _weight_t(w_ptr, cols, col_ok, k0 + ks, H), acc, PRECISION,
+                             x_ptr.dtype.element_ty.primitive_bitwidth == 16,
+                             w_ptr.dtype.element_ty.primitive_bitwidth == 16)
     return acc
 
 

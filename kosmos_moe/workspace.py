@@ -62,6 +62,13 @@ class Tiles:
     # 3.01 -> 2.58 ms, also holds host time that varied by 0.2-0.4 ms between processes.
     route_tokens: int = 32       # BT: tokens per route tile
     route_depth: int = 64        # BK of the fp32 router GEMM
+    # Pipeline stages of the router GEMM. A step is only 32 x E_PAD x 64 (8 KB of bf16 operands
+    # at 32 experts, 36 KB at 256), so with 2 (one copy in flight, the default until stop 38)
+    # each step waited out most of a copy's latency, while the route tiles hold up everything
+    # else. H100 80GB, stop 38, layer_forward.py variant route_stages2, one run, forward device
+    # ms 4 / 2 stages: DeepSeek-V3 32 experts 5.80 / 5.83, Qwen3 16 experts 2.20 / 2.25,
+    # DeepSeek-V3 256 experts 10.93 / 11.01, Qwen3 128 experts 3.28 / 3.32.
+    route_stages: int = 4
     dispatch_rows: int = 32      # BR: rows per dispatch chunk
     dispatch_cols: int = 512     # BH: columns per copy step
     rows: int = 128              # BM: rows per expert tile
@@ -102,9 +109,10 @@ class Tiles:
         """The forward kernel's tile constants (``num_warps`` included; ``TMA`` and the row
         alignment hint depend on the call and are the launcher's)."""
         return dict(
-            BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols, BM=self.rows,
-            BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth, BTF=self.fold_tokens, BHF=self.fold_cols,
-            STAGES=self.stages, DN_STAGES=self.down_stages, GU_ONE_DOT=self.gate_up_one_dot, num_warps=self.warps,
+            BT=self.route_tokens, BK_R=self.route_depth, R_STAGES=self.route_stages, BR=self.dispatch_rows,
+            BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
+            BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
+            GU_ONE_DOT=self.gate_up_one_dot, num_warps=self.warps,
         )
 
 
@@ -113,8 +121,8 @@ GPU_TILES = Tiles()
 # Tiles take keywords only: positional tiles once shifted by one field added to the class
 # left the CPU forward on 1-token, 1-column fold blocks, 3 stages and 8 warps.
 INTERPRETER_TILES = Tiles(
-    route_tokens=16, route_depth=16, dispatch_rows=16, dispatch_cols=32, rows=16, gate_up_cols=16, down_cols=16,
-    depth=16, fold_tokens=16, fold_cols=32, stages=1, down_stages=1, warps=1,
+    route_tokens=16, route_depth=16, route_stages=1, dispatch_rows=16, dispatch_cols=32, rows=16, gate_up_cols=16,
+    down_cols=16, depth=16, fold_tokens=16, fold_cols=32, stages=1, down_stages=1, warps=1,
 )
 
 
