@@ -18,8 +18,8 @@ def _tf32_round(v):
 
 @triton.jit
 def _opaque_zeros(like):
-    """Zeros shaped as ``like`` that the compiler cannot see are zero: a dot started from them
-    is not folded into ``acc + dot`` (``dot(a, b, 0) + acc`` becomes ``dot(a, b, acc)``)."""
+    """Zeros shaped as ``like`` that the compiler cannot see are zero. Triton folds
+    ``dot(a, b, 0) + acc`` into ``dot(a, b, acc)``; a dot started from these is not folded."""
     return tl.inline_asm_elementwise("mov.b32 $0, 0;", "=r,r", [like], dtype=tl.float32, is_pure=True, pack=1)
 
 
@@ -81,7 +81,8 @@ def router_logits(
     low tf32 parts are zero and a step is its high product alone: run into a fresh accumulator
     and added in fp32, as tf32x3 does (``router_dot``), with a third of its tensor-core work.
     It is as accurate as tf32x3 (tests/test_route_tile_gpu.py holds both to 3x torch's fp32
-    error) but not the same to the bit: on an H100 some logits differed in their last bits.
+    error) but not the same to the bit (on an H100 some logits differed from tf32x3's on the
+    same values; how many and by how much was not recorded).
     The product runs as two chained dots of half the depth, since a chain of dots is what
     makes Triton spread the warps over the tokens alone (layout [8, 1]: each warp holds whole
     rows of the logits, so the top-k's row reductions stay within a warp). As one dot it got
