@@ -25,6 +25,8 @@
 #                    block, where a loop per block costs most), the blocks stored by TMA
 #                    (their stores overlap the next block's loads) and the 64 x 64
 #                    router-gradient tiles (the default until stop 35; most router work there)
+#   variants-route   layer_forward.py on the four EP=1 cases, the default against route steps
+#                    128 deep and the route tiles' staging before stop 38
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   host-blocking    host_blocking.py (which host operations wait for running kernels), then the
 #                    backward tests that stalled with a shared expert in emulated worlds (stop 28)
@@ -54,6 +56,8 @@ run_stage() {
         variants-full) python benchmarks/layer_backward.py --cases dsv3_full --profile \
                            --out "$out/variants_full.json" --variants default flat_strips wgrad_stages3 \
                                router_grad64 wgrad_tma_store ;;
+        variants-route) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
+                            --out "$out/variants_route.json" --variants default route_depth128 route_stages2 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json"; first=$?; \
                            KOSMOS_SAMPLE_STACKS="$out/stacks" python -m pytest -q \

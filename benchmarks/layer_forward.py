@@ -55,6 +55,9 @@ TILE_VARIANTS = {
     "route64_depth32": dataclasses.replace(GPU_TILES, route_tokens=64, route_depth=32),
     # The router GEMM with one copy in flight (the default until stop 38).
     "route_stages2": dataclasses.replace(GPU_TILES, route_stages=2),
+    # Route steps 128 deep (half the steps; 221,184 B of shared memory at 256 experts offline,
+    # 147,480 B below 128). Untimed (stop 38).
+    "route_depth128": dataclasses.replace(GPU_TILES, route_depth=128),
     "gate_up_two_dots": dataclasses.replace(GPU_TILES, gate_up_one_dot=False),
     "down_stages4": dataclasses.replace(GPU_TILES, down_stages=4),
     # Four stages for every expert tile (196,640 B of shared memory offline): more weight
