@@ -94,10 +94,10 @@ def router_logits(
     cols = tl.arange(0, E_PAD)
     row_ok = rows < n_rows
     col_ok = cols < E
-    ONE_PRODUCT: tl.constexpr = (PRECISION == "tf32x3") and (x_ptr.dtype.element_ty.primitive_bitwidth == 16) \
-        and (w_ptr.dtype.element_ty.primitive_bitwidth == 16)
+    X_EXACT: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth == 16
+    W_EXACT: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth == 16
     acc = tl.zeros([BT, E_PAD], dtype=tl.float32)
-    if ONE_PRODUCT:
+    if PRECISION == "tf32x3" and X_EXACT and W_EXACT:
         HALF: tl.constexpr = BK // 2
         ks = tl.arange(0, HALF)
         for k0 in tl.range(0, H, BK, num_stages=STAGES):
@@ -110,9 +110,7 @@ def router_logits(
         ks = tl.arange(0, BK)
         for k0 in tl.range(0, H, BK, num_stages=STAGES):
             a = _tokens(x_ptr, rows, row_ok, k0 + ks, H)
-            acc = router_dot(a, _weight_t(w_ptr, cols, col_ok, k0 + ks, H), acc, PRECISION,
-                             x_ptr.dtype.element_ty.primitive_bitwidth == 16,
-                             w_ptr.dtype.element_ty.primitive_bitwidth == 16)
+            acc = router_dot(a, _weight_t(w_ptr, cols, col_ok, k0 + ks, H), acc, PRECISION, X_EXACT, W_EXACT)
     return acc
 
 

@@ -68,7 +68,6 @@ def test_router_logits_are_fp32_accurate(shape, weight_dtype):
     assert ours <= 3 * theirs + 1e-7, f"router tile error {ours:.3g} against fp32 F.linear's {theirs:.3g}"
 
 
-
 @triton.jit
 def _dots(a_ptr, b_ptr, c_ptr, ours_ptr, theirs_ptr, M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
           A_EXACT: tl.constexpr, B_EXACT: tl.constexpr):
