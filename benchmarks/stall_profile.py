@@ -1,0 +1,179 @@
+"""Where the fused kernels' warps stall, per Python source line, from Nsight Compute.
+
+The per-task busy times of ``layer_forward.py --profile`` say which task kind takes the time;
+they cannot say why a GEMM loop runs below the dense rate. Nsight Compute's PC sampling can:
+every few cycles it records, for one warp of each SM sub-partition, the instruction it is at
+and why it is not issuing. Triton keeps line info in the cubin, so the samples map back to the
+kernels' Python lines (``kernels/*.py``).
+
+One command on a GPU machine with ``ncu`` on the PATH::
+
+    python benchmarks/stall_profile.py --case dsv3_rank --out results/stalls
+
+runs this script under ``ncu`` (``--target``: build the case's layer, call the fused forward
+twice to compile and warm up, then once more to be profiled; ``--backward`` profiles the
+backward launch of a training step instead) and writes, for CASE_DIRECTION: the report
+(``.ncu-rep``), its details page (``_details.txt``: speed of light, warp states, memory), its
+source page per SASS instruction (``_sass.csv``) and per source line (``_lines.csv``), and
+the lines with the most stall samples and their main stall reasons (``_lines.txt``, also
+printed). ``--aggregate FILE_lines.csv`` redoes that table without a GPU.
+
+Nsight Compute replays the kernel for its counters, restoring the memory it writes between
+passes, so the self-scheduling kernel runs each pass from the same state. ``--clock-control
+none`` leaves the clocks as they are. One case takes about a minute on an H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import csv
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+KERNELS = {"forward": "expert_forward_kernel", "backward": "expert_backward_kernel"}
+
+
+def log(msg: str) -> None:
+    print(f"[stall_profile {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def run_target(case: str, backward: bool) -> None:
+    """The profiled program: one case's fused layer at one rank, called until warm, then once more."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, REPO)
+    from layer_forward import CASES, TOKENS
+
+    from kosmos_moe import ExpertLayer
+    from kosmos_moe.fabric import EmulatedWorld
+
+    EmulatedWorld.set_environment()
+    preset, experts, ranks = CASES[case]
+    if ranks != 1:
+        raise SystemExit(f"--case {case}: only one-rank cases are profiled (ncu serialises the ranks' launches)")
+    torch.manual_seed(0)
+    layer = getattr(ExpertLayer, preset)(num_experts=experts, dtype=torch.bfloat16, device="cuda",
+                                         backend="kosmos", max_tokens_per_rank=TOKENS)
+    if layer.gate.e_score_correction_bias is not None:
+        layer.gate.e_score_correction_bias.data.uniform_(-0.05, 0.05)
+    layer.requires_grad_(backward)
+    x = torch.randn(TOKENS, layer.config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+    for _ in range(3):  # the third call is the profiled one (ncu --launch-skip 2)
+        if backward:
+            layer(x).float().square().mean().backward()
+        else:
+            with torch.no_grad():
+                layer(x)
+        torch.cuda.synchronize()
+        layer.fused().raise_if_failed()
+
+
+def _number(cell: str) -> float:
+    try:
+        return float(cell.replace(",", ""))
+    except ValueError:  # "-" where a metric does not apply
+        return 0.0
+
+
+def aggregate(lines_csv: str, top: int = 50) -> str:
+    """Stall samples per kernel source line, from an ``ncu --page source --csv --print-source
+    cuda,sass`` export.
+
+    That export has a section per source file (a "File Path" row, then a header row); in it, a
+    row with a line number carries that line's totals and the rows after it, with an address,
+    its SASS instructions. Samples are counted per warp, so a line's share of the samples is
+    its share of the kernel's warp time. A line of an inlined ``@triton.jit`` function counts
+    for every caller (a tile GEMM's loop line holds all of its call sites).
+    """
+    with open(lines_csv, newline="") as f:
+        rows = list(csv.reader(f))
+    path, header = "?", None
+    per_line: collections.Counter = collections.Counter()
+    reasons: dict = collections.defaultdict(collections.Counter)
+    source: dict = {}
+    overall: collections.Counter = collections.Counter()
+    for r in rows:
+        if r and r[0] == "File Path":
+            path = os.path.relpath(r[1], REPO) if r[1].startswith(REPO) else os.path.basename(r[1])
+        elif r and r[0] == "Line No":
+            header = r
+        elif header is not None and len(r) == len(header) and r[0].strip():
+            key = (path, int(r[0]))
+            n = _number(r[header.index("Warp Stall Sampling (All Samples)")])
+            per_line[key] += n
+            source[key] = r[1].strip()
+            for i, name in enumerate(header):
+                if name.startswith("stall_") and "(Not Issued)" not in name:
+                    reasons[key][name[6:]] += _number(r[i])
+                    overall[name[6:]] += _number(r[i])
+    total = sum(per_line.values())
+    if not total:
+        raise ValueError(f"{lines_csv}: no stall samples found")
+    out = [f"{lines_csv}: {total:.0f} stall samples",
+           "over the kernel: " + ", ".join(f"{k} {100 * v / total:.1f}%" for k, v in overall.most_common(10)), "",
+           f"the {top} source lines with the most samples (share of all; then that line's main reasons):"]
+    for key, n in per_line.most_common(top):
+        why = ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in reasons[key].most_common(3) if v)
+        out.append(f"{100 * n / total:5.1f}%  {key[0]}:{key[1]:<5} {source[key][:70]:70} | {why}")
+    return "\n".join(out)
+
+
+def profile(case: str, direction: str, out_dir: str, ncu: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{case}_{direction}")
+    cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{KERNELS[direction]}", "--launch-skip", "2",
+           "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats",
+           "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis",
+           "--import-source", "yes", "-f", "-o", stem,
+           sys.executable, os.path.abspath(__file__), "--target", "--case", case]
+    if direction == "backward":
+        cmd.append("--backward")
+    log(" ".join(cmd))
+    t0 = time.time()
+    subprocess.run(cmd, check=True)
+    log(f"profiled in {time.time() - t0:.0f} s")
+    with open(stem + "_details.txt", "w") as f:
+        subprocess.run([ncu, "--import", stem + ".ncu-rep", "--page", "details"], stdout=f, check=False)
+    # The source page per SASS instruction, and per source line with each line's instructions.
+    for view, suffix in (("sass", "_sass.csv"), ("cuda,sass", "_lines.csv")):
+        with open(stem + suffix, "w") as f:
+            subprocess.run([ncu, "--import", stem + ".ncu-rep", "--page", "source", "--csv", "--print-source", view],
+                           stdout=f, check=True)
+    try:
+        table = aggregate(stem + "_lines.csv")
+    except Exception as exc:  # an export this script does not read: the raw files are kept
+        table = f"could not aggregate {stem}_lines.csv: {exc!r}"
+    with open(stem + "_lines.txt", "w") as f:
+        f.write(table + "\n")
+    print(table)
+    log(f"wrote {stem}_sass.csv, {stem}_lines.csv, {stem}_lines.txt, {stem}_details.txt")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", default="dsv3_rank")
+    parser.add_argument("--backward", action="store_true", help="profile the backward launch of a training step")
+    parser.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="results/stalls")
+    parser.add_argument("--aggregate", metavar="CSV", help="only print the per-line table of an export")
+    args = parser.parse_args()
+    if args.aggregate:
+        print(aggregate(args.aggregate))
+    elif args.target:
+        run_target(args.case, args.backward)
+    else:
+        ncu = shutil.which("ncu")
+        if ncu is None:
+            raise SystemExit("stall_profile.py needs Nsight Compute's ncu on the PATH")
+        profile(args.case, "backward" if args.backward else "forward", args.out, ncu)
+
+
+if __name__ == "__main__":
+    main()
