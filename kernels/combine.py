@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .queues import fold_block, ticket
-from .signals import ERR_COMBINE, ERR_SHORT, WORKSPACE_ALIGN, peer_base, peer_ptr, record_error
+from .signals import ERR_COMBINE, ERR_SHORT, WORKSPACE_ALIGN, peer_ptr, record_error, row_bases
 
 Q_SEND = tl.constexpr(0)
 Q_FOLD = tl.constexpr(1)
@@ -95,7 +95,7 @@ def combine_kernel(
                     ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
                     tok = ent // TOP_K
                     slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-                    base = peer_base(peers_ptr, src_r, row_ok)
+                    base = row_bases(peers_ptr, src_r, W)
                     wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
                     for h0 in tl.range(0, H, BH):
                         cols = h0 + tl.arange(0, BH)

@@ -354,7 +354,7 @@ def expert_backward_kernel(
                         row_ok = tl.arange(0, BM) < n_rows
                         src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
                         ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-                        dst_rows, base, tok = combine_destination(peers_ptr, src, ent, row_ok, DT, TOP_K, SLOTS, H, B_COMB)
+                        dst_rows, base, tok = combine_destination(peers_ptr, src, ent, DT, TOP_K, SLOTS, H, B_COMB, W)
                         cols = hb * BN_DX + tl.arange(0, BN_DX)
                         tl.store(dst_rows[:, None] + cols[None, :], acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
                         if hb == 0:

@@ -200,7 +200,7 @@ def routed_gate_up_rows(
 @triton.jit
 def routed_down_rows(
     h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr, W: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr, B_COMB: tl.constexpr,
     ROWS: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
     TMA: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
@@ -221,7 +221,7 @@ def routed_down_rows(
     wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
     src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
     ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-    dst_rows, base, tok = combine_destination(peers_ptr, src, ent, row_ok, DT, TOP_K, SLOTS, H, B_COMB)
+    dst_rows, base, tok = combine_destination(peers_ptr, src, ent, DT, TOP_K, SLOTS, H, B_COMB, W)
     cols = hb * BN_DN + tl.arange(0, BN_DN)
     tl.store(dst_rows[:, None] + cols[None, :], (acc * wgt[:, None]).to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
     tl.debug_barrier()
@@ -362,7 +362,7 @@ def expert_forward_kernel(
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
-                                     H, I, TOP_K, SLOTS, T_MAX, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
+                                     H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
                                      BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr)
                     q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5

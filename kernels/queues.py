@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from .signals import ERR_COUNTS, WORKSPACE_ALIGN, peer_base, peer_ptr, record_error, signal_add
+from .signals import ERR_COUNTS, WORKSPACE_ALIGN, peer_ptr, record_error, row_bases, signal_add
 
 
 @triton.jit
@@ -201,15 +201,15 @@ def dispatch_chunk(
 
 
 @triton.jit
-def combine_destination(peers_ptr, src, ent, row_ok, DT: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
-                        H: tl.constexpr, B_COMB: tl.constexpr):
+def combine_destination(peers_ptr, src, ent, DT: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr,
+                        H: tl.constexpr, B_COMB: tl.constexpr, W: tl.constexpr):
     """Where the results of received rows go: per row, a pointer to its (token, choice) row of
     its source rank's combine buffer; and, for the arrival signal, the source's workspace base
-    (int64) and the token. ``src`` and ``ent`` are the rows' source ranks and entries."""
+    (int64) and the token. ``src`` and ``ent`` are the rows' source ranks (below ``W``) and entries."""
     ES: tl.constexpr = DT.primitive_bitwidth // 8
     tok = ent // TOP_K
     slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-    base = peer_base(peers_ptr, src, row_ok)
+    base = row_bases(peers_ptr, src, W)
     return tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H, base, tok
 
 
