@@ -154,3 +154,34 @@ def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     collected = set(done.stdout.split())
     assert all(node in collected for node in nodes), (nodes, done.stdout[-3000:])
+
+
+def test_stall_profile_aggregates_an_export(tmp_path, monkeypatch):
+    """stall_profile.aggregate reads ncu's per-line source export (a section per file, a line's
+    totals row followed by its SASS rows) and ranks lines by samples; no GPU or ncu needed."""
+    stall = benchmark_module("stall_profile", monkeypatch)
+    header = ["Line No", "Source", "Address", "Source", "Warp Stall Sampling (All Samples)",
+              "Warp Stall Sampling (Not-issued Samples)", "stall_barrier", "stall_long_sb",
+              "stall_barrier (Not Issued)"]
+    rows = [
+        ["File Path", str(ROOT / "kernels" / "tile_gemm.py")], ["Function Name", "expert_forward_kernel"], header,
+        ["209", "for k0 in tl.range(...):", "-", "-", "30", "28", "20", "10", "19"],
+        ["", "", "0x10", "BAR.SYNC", "20", "19", "20", "0", "19"],
+        ["215", "a = tl.load(...)", "-", "-", "60", "50", "0", "60", "0"],
+        ["File Path", "/somewhere/triton/language/standard.py"], header,
+        ["43", "return (x + (div - 1)) // div", "-", "-", "10", "9", "0", "10", "0"],
+    ]
+    export = tmp_path / "case_forward_lines.csv"
+    export.write_text("\n".join(",".join(f'"{c}"' for c in r) for r in rows) + "\n")
+    table = stall.aggregate(str(export))
+    lines = table.splitlines()
+    assert "100 stall samples" in lines[0]
+    assert "long_sb 80.0%" in lines[1] and "barrier 20.0%" in lines[1]  # Not-issued columns not added twice
+    ranked = [line for line in lines if "%  " in line]
+    assert ranked[0].split()[:2] == ["60.0%", "kernels/tile_gemm.py:215"]
+    assert ranked[1].split()[:2] == ["30.0%", "kernels/tile_gemm.py:209"] and "barrier 67%" in ranked[1]
+    assert ranked[2].split()[:2] == ["10.0%", "standard.py:43"]
+    with pytest.raises(ValueError, match="no stall samples"):
+        empty = tmp_path / "empty_lines.csv"
+        empty.write_text('"File Path","x.py"\n' + ",".join(f'"{c}"' for c in header) + "\n")
+        stall.aggregate(str(empty))
