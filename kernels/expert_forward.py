@@ -166,10 +166,7 @@ def routed_gate_up_rows(
     row_ok = tl.arange(0, ROWS) < n_rows
     src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
     ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-    # Rows past n_rows read the tile's first receive slot (allocated whether or not a row was
-    # copied there), so every row pointer may be read and the row loads need no mask.
-    a_rows = tl.where(row_ok & (src == me), x_ptr + (ent // TOP_K).to(tl.int64) * H,
-                      recv_x + tl.where(row_ok, rows, row0).to(tl.int64) * H)
+    a_rows = tl.where(src == me, x_ptr + (ent // TOP_K).to(tl.int64) * H, recv_x + rows.to(tl.int64) * H)
     if ROWS_ALIGNED:
         # The launcher checked that every row of both sources starts 16-byte aligned. The
         # select between two pointers loses the alignment the compiler knew of each; without
@@ -180,10 +177,9 @@ def routed_gate_up_rows(
     if ONE_DOT:  # gate and up blocks side by side in one dot (Tiles.gate_up_one_dot)
         if TMA:
             acc_g, acc_u = gate_up_pair_acc_tma(a_rows, n_rows, w_gate_up_desc, 2 * e, ib * BN_GU, H, ROWS, BN_GU, BK,
-                                                DOT_DTYPE, STAGES, ROWS_READABLE=True)
+                                                DOT_DTYPE, STAGES)
         else:
-            acc_g, acc_u = gate_up_pair_acc(a_rows, n_rows, w_e, ib * BN_GU, H, I, ROWS, BN_GU, BK, DOT_DTYPE, STAGES,
-                                            ROWS_READABLE=True)
+            acc_g, acc_u = gate_up_pair_acc(a_rows, n_rows, w_e, ib * BN_GU, H, I, ROWS, BN_GU, BK, DOT_DTYPE, STAGES)
     elif TMA:
         acc_g, acc_u = gate_up_acc_tma(a_rows, n_rows, w_gate_up_desc, e * 2 * I, w_gate_up_desc, e * 2 * I + I,
                                        ib * BN_GU, H, ROWS, BN_GU, BK, DOT_DTYPE, STAGES)

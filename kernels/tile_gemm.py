@@ -74,38 +74,17 @@ def column_halves(tile, BM: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def row_block(a_rows, row_ok, k0, K_DIM: tl.constexpr, BK: tl.constexpr, ROWS_READABLE: tl.constexpr):
-    """Step ``k0`` of a gathered row operand: ``[BM, BK]`` from the row pointers ``a_rows``
-    (``[BM, 1]``), zeros past ``K_DIM``.
-
-    With ``ROWS_READABLE`` every row pointer may be read, the rows past the caller's included
-    (their results are the caller's to mask at its store), so only a ``K_DIM`` that is not a
-    multiple of ``BK`` leaves a mask: the loop's asynchronous copies then need no predicate.
-    """
-    ks = k0 + tl.arange(0, BK)
-    if ROWS_READABLE:
-        if K_DIM % BK == 0:
-            a = tl.load(a_rows + ks[None, :])
-        else:
-            a = tl.load(a_rows + ks[None, :], mask=(ks < K_DIM)[None, :], other=0.0)
-    else:
-        a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & (ks < K_DIM)[None, :], other=0.0)
-    return a
-
-
-@triton.jit
 def gate_up_pair_acc(
     a_rows, n_rows, w_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ROWS_READABLE: tl.constexpr = False,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
 ):
     """``gate_up_acc`` for one expert's ``[2 N_DIM, K_DIM]`` gate/up weight (gate rows first) as
     one dot of ``2 BN`` columns per step: the gate block and the up block side by side.
 
     One ``BM x 2BN`` dot reads the row block once per step where two ``BM x BN`` dots read it
     twice, and issues half the wgmma instructions (``m64n256k16`` at 128 columns).
-    ``ROWS_READABLE``: as in ``row_block`` (rows past ``n_rows`` then hold what their pointers read).
     """
     rows = tl.arange(0, BM)
     pair = tl.arange(0, 2 * BN)
@@ -118,7 +97,7 @@ def gate_up_pair_acc(
     acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
     for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
         k_ok = (k0 + ks) < K_DIM
-        a = row_block(a_rows, row_ok, k0, K_DIM, BK, ROWS_READABLE)
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(w_cols + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
     return column_halves(acc, BM, BN)  # [gate | up]
@@ -277,7 +256,7 @@ def gate_up_pair_acc_tma(
     a_rows, n_rows, w_desc, pair0, n0,
     K_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ROWS_READABLE: tl.constexpr = False,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
 ):
     """``gate_up_pair_acc`` with the weight blocks by TMA: ``w_desc`` views the gate/up weights
     as ``[2 E, N_DIM, K_DIM]`` (expert ``e``'s gate at ``2e``, its up at ``2e + 1``) with block
@@ -285,11 +264,12 @@ def gate_up_pair_acc_tma(
     ``N_DIM`` within a half are zero-filled by the copy engine, never the other half's.
     """
     rows = tl.arange(0, BM)
+    ks = tl.arange(0, BK)
     row_ok = rows < n_rows
     a_rows = a_rows[:, None]
     acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
     for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
-        a = row_block(a_rows, row_ok, k0, K_DIM, BK, ROWS_READABLE)
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :], other=0.0)
         b = w_desc.load([pair0, n0, k0]).reshape([2 * BN, BK])
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)
     return column_halves(acc, BM, BN)  # [gate | up]
