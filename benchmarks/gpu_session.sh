@@ -28,6 +28,9 @@
 #   variants-route   layer_forward.py on the four EP=1 cases, the default against route steps
 #                    128 deep and the route tiles' staging before stop 38
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
+#   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
+#                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
+#                    device call returns at most eight files; the profiles write five each)
 #   host-blocking    host_blocking.py (which host operations wait for running kernels), then the
 #                    backward tests that stalled with a shared expert in emulated worlds (stop 28)
 set -uo pipefail
@@ -59,6 +62,10 @@ run_stage() {
         variants-route) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                             --out "$out/variants_route.json" --variants default route_depth128 route_stages2 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
+        stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
+                    python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \
+                    python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; first=$?; \
+                    tar czf "$out/stalls.tgz" -C "$out" stalls && rm -rf "$out/stalls" && return $first ;;
         host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json"; first=$?; \
                            KOSMOS_SAMPLE_STACKS="$out/stacks" python -m pytest -q \
                            "tests/test_fused_backward_gpu.py::test_other_router_shared_combinations[softmax_shared]" \

@@ -37,6 +37,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 KERNELS = {"forward": "expert_forward_kernel", "backward": "expert_backward_kernel"}
+# layer_forward.py's one-rank cases (an emulated world's ranks would be serialised by ncu).
+CASES = ("dsv3_rank", "qwen3_rank", "dsv3_full", "qwen3_full")
 
 
 def log(msg: str) -> None:
@@ -56,8 +58,7 @@ def run_target(case: str, backward: bool) -> None:
 
     EmulatedWorld.set_environment()
     preset, experts, ranks = CASES[case]
-    if ranks != 1:
-        raise SystemExit(f"--case {case}: only one-rank cases are profiled (ncu serialises the ranks' launches)")
+    assert ranks == 1, case
     torch.manual_seed(0)
     layer = getattr(ExpertLayer, preset)(num_experts=experts, dtype=torch.bfloat16, device="cuda",
                                          backend="kosmos", max_tokens_per_rank=TOKENS)
@@ -158,7 +159,7 @@ def profile(case: str, direction: str, out_dir: str, ncu: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", default="dsv3_rank")
+    parser.add_argument("--case", default="dsv3_rank", choices=CASES)
     parser.add_argument("--backward", action="store_true", help="profile the backward launch of a training step")
     parser.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/stalls")

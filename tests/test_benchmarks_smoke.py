@@ -119,10 +119,11 @@ def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
         "gemm_tiles.py": lambda m: {"--shapes": m.SHAPES, "--variants": m.VARIANTS,
                                     "--wgrad-variants": m.WGRAD_VARIANTS},
         "host_blocking.py": lambda m: {},
+        "stall_profile.py": lambda m: {"--case": m.CASES},
     }
     text = (ROOT / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
     stages = re.findall(r"^\s+[\w-]+\)\s+(python .*?;;)", text, re.M)
-    assert len(stages) == 10, stages
+    assert len(stages) == 11, stages
     commands = []
     for stage in stages:
         for part in re.split(r"&&|;", stage.split(";;")[0]):
