@@ -35,20 +35,25 @@ def _round_up(n: int, to: int) -> int:
 def check_tile_sizes(tiles) -> None:
     """Raise ``ValueError`` naming every bad size of a tiles dataclass: pipeline depths, strip
     lengths and workers per SM (fields ending in ``stages``, ``strip`` or ``per_sm``) must be
-    positive, every other size (block shapes, which index ``tl.arange``, and warps) a power of
-    two; Triton would otherwise fail deep inside the compile of the whole kernel."""
+    positive, distances ahead (``ahead``, 0 for none) not negative, every other size (block
+    shapes, which index ``tl.arange``, and warps) a power of two; Triton would otherwise fail
+    deep inside the compile of the whole kernel."""
     bad = []
     for f in fields(tiles):
         v = getattr(tiles, f.name)
         if f.type not in (int, "int"):
+            continue
+        if f.name.endswith("ahead"):
+            if v < 0:
+                bad.append(f"{f.name}={v}")
             continue
         counts = f.name.endswith(("stages", "strip", "per_sm"))
         if v < 1 or (not counts and v & (v - 1)):
             bad.append(f"{f.name}={v}")
     if bad:
         kind = type(tiles).__name__
-        raise ValueError(f"{kind}: depths, strips and workers per SM must be positive, block sizes and warps "
-                         "powers of two: " + ", ".join(bad))
+        raise ValueError(f"{kind}: depths, strips and workers per SM must be positive, distances ahead not "
+                         "negative, block sizes and warps powers of two: " + ", ".join(bad))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -101,6 +106,16 @@ class Tiles:
     # busy per worker 3.18 -> 2.79 ms and the forward 5.72 -> 5.45 ms (DeepSeek-V3 rank view),
     # 1.29 -> 1.14 and 2.26 -> 2.15 ms (Qwen3 rank view).
     gate_up_one_dot: bool = True
+    # Steps ahead (0: none) at which the routed gate/up and down loops ask L2 for the weight
+    # lines of a later step (one PTX prefetch.global.L2 per thread and step; GPU only, the
+    # interpreter has no inline assembly). Nsight Compute on the H200 at stop 39 put the warps
+    # waiting for their weight block's TMA copy at 21% of the forward's samples in the gate/up
+    # loop and 8% in the down loop at Qwen3 128 experts (9% and 3% at DeepSeek-V3 32): with 3
+    # stages each copy is issued about two steps before its use, and a block shared by two or
+    # three row tiles comes from HBM. A prefetch some steps further ahead would have the copy
+    # find it in L2, at about AHEAD x 32 KB of L2 per running tile. Untimed: layer_forward.py
+    # variants l2_ahead4 and l2_ahead8 (gpu_session.sh stage variants-weights).
+    weight_prefetch_ahead: int = 0
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
