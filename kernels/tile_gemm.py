@@ -84,9 +84,11 @@ def prefetch_l2(lines):
 @triton.jit
 def prefetch_ahead(w_rows, k0, K_DIM: tl.constexpr, BK: tl.constexpr, AHEAD: tl.constexpr):
     """In step ``k0`` of a loop over ``K_DIM``: prefetch the weight lines of step ``k0 + AHEAD
-    BK`` (clamped to the last step) of the rows that ``w_rows`` point at, one line per row
-    (``BK`` elements of a 16-bit weight are one 128-byte line)."""
-    prefetch_l2(w_rows + tl.minimum(k0 + AHEAD * BK, K_DIM - BK))
+    BK`` (clamped to the last step, so every address lies in its row) of the rows that
+    ``w_rows`` point at, one line per row (``BK`` elements of a 16-bit weight are one 128-byte
+    line)."""
+    LAST: tl.constexpr = max(K_DIM - BK, 0)
+    prefetch_l2(w_rows + tl.minimum(k0 + AHEAD * BK, LAST))
 
 
 @triton.jit
