@@ -85,7 +85,10 @@ class Tiles:
     stages: int = 3
     # Pipeline stages of the down tiles (routed and shared; 48 KB each at 128 x 256 x 64). Their
     # reduction is only I deep (32 steps at DeepSeek-V3), so a deeper pipeline may hide more of
-    # each tile's start; 4 fits (192 KB). Untimed: variant down_stages4.
+    # each tile's start; 4 fits (192 KB). In the kernel (variant down_stages4, H100 80GB, stop
+    # 30, one run) 4 took 5.82 against 5.80 ms (DeepSeek-V3 32 experts) and 3.30 against 3.38
+    # (Qwen3 128); on their own (benchmarks/gemm_tiles.py, H200, stop 39) the tiles ran at 597
+    # against 562 TFLOP/s. Not timed in the kernel since (gpu_session.sh variants-weights).
     down_stages: int = 3
     warps: int = 8
     # Workers per SM. With 2, two workers of 4 warps share each SM, each on its own task, so
