@@ -44,15 +44,22 @@ def row_bases(peers_ptr, ranks, W: tl.constexpr):
     """Per row, the workspace base (int64, known aligned) of its rank ``ranks`` (a vector of
     ranks below ``W``).
 
-    The ``W`` bases are scalar loads, the same for every thread, and each row selects its own:
-    a load of ``peers_ptr + ranks`` per row waits for the load of the rank itself first, and in
-    the forward's down epilogue those two dependent loads came once for each of the 16 row
-    chunks a thread stores (Nsight Compute on the H200, DeepSeek-V3 32 experts: about 2.6% of
-    the kernel's stall samples waiting on them, benchmarks/stall_profile.py).
+    The ``W`` bases are loaded once, with no dependence on the rows, and each row takes its
+    own from registers (``tl.gather``): a load of ``peers_ptr + ranks`` per row waits for the
+    load of the rank itself first, and in the forward's down epilogue those two dependent
+    loads came once for each of the 16 row chunks a thread stores (Nsight Compute on the H200,
+    DeepSeek-V3 32 experts: about 2.6% of the kernel's stall samples waiting on them,
+    benchmarks/stall_profile.py). A chain of ``W - 1`` selects instead cost registers at
+    ``W = 8`` (offline sm_90, DeepSeek-V3 256 experts over 8 ranks: forward spills 236 B,
+    against 72 with the per-row loads and 44 with the gather).
     """
-    base = tl.zeros_like(ranks).to(tl.int64) + tl.load(peers_ptr)
-    for w in tl.static_range(1, W):
-        base = tl.where(ranks == w, tl.load(peers_ptr + w), base)
+    if W == 1:
+        base = tl.zeros_like(ranks).to(tl.int64) + tl.load(peers_ptr)
+    else:
+        W_PAD: tl.constexpr = triton.next_power_of_2(W)
+        w_idx = tl.arange(0, W_PAD)
+        bases = tl.load(peers_ptr + w_idx, mask=w_idx < W, other=0)
+        base = tl.gather(bases, ranks, 0)
     return tl.multiple_of(base, WORKSPACE_ALIGN)
 
 
