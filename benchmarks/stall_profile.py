@@ -34,11 +34,13 @@ import subprocess
 import sys
 import time
 
+from layer_forward import CASES as LAYER_CASES, TOKENS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 KERNELS = {"forward": "expert_forward_kernel", "backward": "expert_backward_kernel"}
 # layer_forward.py's one-rank cases (an emulated world's ranks would be serialised by ncu).
-CASES = ("dsv3_rank", "qwen3_rank", "dsv3_full", "qwen3_full")
+CASES = tuple(name for name, (_, _, ranks) in LAYER_CASES.items() if ranks == 1)
 
 
 def log(msg: str) -> None:
@@ -49,16 +51,11 @@ def run_target(case: str, backward: bool) -> None:
     """The profiled program: one case's fused layer at one rank, called until warm, then once more."""
     import torch
 
-    sys.path.insert(0, HERE)
-    sys.path.insert(0, REPO)
-    from layer_forward import CASES, TOKENS
-
     from kosmos_moe import ExpertLayer
     from kosmos_moe.fabric import EmulatedWorld
 
     EmulatedWorld.set_environment()
-    preset, experts, ranks = CASES[case]
-    assert ranks == 1, case
+    preset, experts, _ = LAYER_CASES[case]
     torch.manual_seed(0)
     layer = getattr(ExpertLayer, preset)(num_experts=experts, dtype=torch.bfloat16, device="cuda",
                                          backend="kosmos", max_tokens_per_rank=TOKENS)
