@@ -59,9 +59,6 @@ TILE_VARIANTS = {
     # 147,480 B below 128). Untimed (stop 38).
     "route_depth128": dataclasses.replace(GPU_TILES, route_depth=128),
     "gate_up_two_dots": dataclasses.replace(GPU_TILES, gate_up_one_dot=False),
-    # Weight lines prefetched into L2 4 or 8 steps ahead in the routed GEMM loops (untimed).
-    "l2_ahead4": dataclasses.replace(GPU_TILES, weight_prefetch_ahead=4),
-    "l2_ahead8": dataclasses.replace(GPU_TILES, weight_prefetch_ahead=8),
     "down_stages4": dataclasses.replace(GPU_TILES, down_stages=4),
     # Four stages for every expert tile (196,640 B of shared memory offline): more weight
     # bytes in flight per worker where the weights' bandwidth bounds the layer (256 experts).

@@ -152,8 +152,7 @@ def routed_gate_up_rows(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, T_MAX: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr,
     ROWS: tl.constexpr, BN_GU: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, ONE_DOT: tl.constexpr, AHEAD: tl.constexpr,
-    PROFILE: tl.constexpr, profile_ptr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, ONE_DOT: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
 ):
     """A routed gate/up tile: ``n_rows <= ROWS`` received rows from ``row0`` of local expert ``e``,
     column block ``ib``, into ``h``. Rows from this rank were never copied: they are read in place.
@@ -177,12 +176,8 @@ def routed_gate_up_rows(
     w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
     if ONE_DOT:  # gate and up blocks side by side in one dot (Tiles.gate_up_one_dot)
         if TMA:
-            w_rows = None
-            if AHEAD > 0:  # the block's gate rows, then its up rows (Tiles.weight_prefetch_ahead)
-                pair = tl.arange(0, 2 * BN_GU)
-                w_rows = w_e + ((pair // BN_GU) * I + tl.minimum(ib * BN_GU + pair % BN_GU, I - 1)).to(tl.int64) * H
             acc_g, acc_u = gate_up_pair_acc_tma(a_rows, n_rows, w_gate_up_desc, 2 * e, ib * BN_GU, H, ROWS, BN_GU, BK,
-                                                DOT_DTYPE, STAGES, w_rows, AHEAD)
+                                                DOT_DTYPE, STAGES)
         else:
             acc_g, acc_u = gate_up_pair_acc(a_rows, n_rows, w_e, ib * BN_GU, H, I, ROWS, BN_GU, BK, DOT_DTYPE, STAGES)
     elif TMA:
@@ -208,18 +203,15 @@ def routed_down_rows(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr, W: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr, B_COMB: tl.constexpr,
     ROWS: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, AHEAD: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
+    TMA: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
 ):
     """A routed down tile: ``n_rows <= ROWS`` rows of ``h`` from ``row0`` (local expert ``e``),
     column block ``hb``; each row scaled by its routing weight and stored straight into its source
     rank's combine buffer (the combine is fused into the GEMM), then the source is signalled."""
     DT = h_r.dtype.element_ty
     if TMA:
-        w_rows = None
-        if AHEAD > 0:  # the block's weight rows (Tiles.weight_prefetch_ahead)
-            w_rows = w_down_ptr + (e * H + tl.minimum(hb * BN_DN + tl.arange(0, BN_DN), H - 1)).to(tl.int64) * I
         acc = down_tile_tma_w(h_r + row0.to(tl.int64) * I, n_rows, w_down_desc, e * H, hb * BN_DN,
-                              I, ROWS, BN_DN, BK, DOT_DTYPE, STAGES, w_rows, AHEAD)
+                              I, ROWS, BN_DN, BK, DOT_DTYPE, STAGES)
     else:
         acc = down_tile(h_r + row0.to(tl.int64) * I, n_rows, w_down_ptr + e.to(tl.int64) * H * I, hb * BN_DN,
                         I, H, ROWS, BN_DN, BK, DOT_DTYPE, STAGES)
@@ -267,7 +259,7 @@ def expert_forward_kernel(
     BT: tl.constexpr, BK_R: tl.constexpr, R_STAGES: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
     BM: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
     BHF: tl.constexpr, STAGES: tl.constexpr, DN_STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr, L2_AHEAD: tl.constexpr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -371,7 +363,7 @@ def expert_forward_kernel(
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
                                      H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
-                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, L2_AHEAD, SCOPE, PROFILE, profile_ptr)
+                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr)
                     q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q
@@ -428,7 +420,7 @@ def expert_forward_kernel(
                     routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
                                         h_r, saved_ptr, slot_ptr, save_cap, H, I, TOP_K, T_MAX, C_RECV_SRC, C_RECV_ENT,
                                         BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA, ROWS_ALIGNED, GU_ONE_DOT,
-                                        L2_AHEAD, PROFILE, profile_ptr)
+                                        PROFILE, profile_ptr)
                     signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
                     g, open_q = settle_ticket(nxt, n_gu, open_q, OPEN_GATE_UP)
                     did = 4

@@ -74,24 +74,6 @@ def column_halves(tile, BM: tl.constexpr, HALF: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(lines):
-    """Ask L2 for the lines at the pointers ``lines`` (a hint: nothing waits for it, and no
-    result). GPU only: the interpreter runs no inline assembly."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_ahead(w_rows, k0, K_DIM: tl.constexpr, BK: tl.constexpr, AHEAD: tl.constexpr):
-    """In step ``k0`` of a loop over ``K_DIM``: prefetch the weight lines of step ``k0 + AHEAD
-    BK`` (clamped to the last step, so every address lies in its row) of the rows that
-    ``w_rows`` point at, one line per row (``BK`` elements of a 16-bit weight are one 128-byte
-    line)."""
-    LAST: tl.constexpr = max(K_DIM - BK, 0)
-    prefetch_l2(w_rows + tl.minimum(k0 + AHEAD * BK, LAST))
-
-
-@triton.jit
 def gate_up_pair_acc(
     a_rows, n_rows, w_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
@@ -274,15 +256,12 @@ def gate_up_pair_acc_tma(
     a_rows, n_rows, w_desc, pair0, n0,
     K_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, w_rows=None, AHEAD: tl.constexpr = 0,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
 ):
     """``gate_up_pair_acc`` with the weight blocks by TMA: ``w_desc`` views the gate/up weights
     as ``[2 E, N_DIM, K_DIM]`` (expert ``e``'s gate at ``2e``, its up at ``2e + 1``) with block
     ``[2, BN, BK]``, so one copy brings both blocks, stacked, and ``pair0 = 2e``. Rows past
     ``N_DIM`` within a half are zero-filled by the copy engine, never the other half's.
-
-    ``AHEAD > 0``: each step also prefetches into L2 the weight lines ``AHEAD`` steps on, from
-    ``w_rows`` (``[2 BN]`` pointers to the starts of the block's gate then up rows).
     """
     rows = tl.arange(0, BM)
     ks = tl.arange(0, BK)
@@ -290,8 +269,6 @@ def gate_up_pair_acc_tma(
     a_rows = a_rows[:, None]
     acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
     for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
-        if AHEAD > 0:
-            prefetch_ahead(w_rows, k0, K_DIM, BK, AHEAD)
         a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :], other=0.0)
         b = w_desc.load([pair0, n0, k0]).reshape([2 * BN, BK])
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)
@@ -357,19 +334,16 @@ def gate_up_tile_tma_rows(
 def down_tile_tma_w(
     a_ptr, n_rows, w_desc, w_row0, n0,
     K_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, w_rows=None, AHEAD: tl.constexpr = 0,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
 ):
     """``down_tile`` with only the weight block by TMA: rows of ``a`` (written in this launch)
-    by plain loads, which need no ordering with the copy engine's reads. ``AHEAD``: as in
-    ``gate_up_pair_acc_tma`` (``w_rows``: ``[BN]`` pointers to the block's weight rows)."""
+    by plain loads, which need no ordering with the copy engine's reads."""
     rows = tl.arange(0, BM)
     ks = tl.arange(0, BK)
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * K_DIM
     row_ok = rows < n_rows
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
-        if AHEAD > 0:
-            prefetch_ahead(w_rows, k0, K_DIM, BK, AHEAD)
         a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :], other=0.0)
         b = w_desc.load([w_row0 + n0, k0])
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)

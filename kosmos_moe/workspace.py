@@ -35,25 +35,20 @@ def _round_up(n: int, to: int) -> int:
 def check_tile_sizes(tiles) -> None:
     """Raise ``ValueError`` naming every bad size of a tiles dataclass: pipeline depths, strip
     lengths and workers per SM (fields ending in ``stages``, ``strip`` or ``per_sm``) must be
-    positive, distances ahead (``ahead``, 0 for none) not negative, every other size (block
-    shapes, which index ``tl.arange``, and warps) a power of two; Triton would otherwise fail
-    deep inside the compile of the whole kernel."""
+    positive, every other size (block shapes, which index ``tl.arange``, and warps) a power of
+    two; Triton would otherwise fail deep inside the compile of the whole kernel."""
     bad = []
     for f in fields(tiles):
         v = getattr(tiles, f.name)
         if f.type not in (int, "int"):
-            continue
-        if f.name.endswith("ahead"):
-            if v < 0:
-                bad.append(f"{f.name}={v}")
             continue
         counts = f.name.endswith(("stages", "strip", "per_sm"))
         if v < 1 or (not counts and v & (v - 1)):
             bad.append(f"{f.name}={v}")
     if bad:
         kind = type(tiles).__name__
-        raise ValueError(f"{kind}: depths, strips and workers per SM must be positive, distances ahead not "
-                         "negative, block sizes and warps powers of two: " + ", ".join(bad))
+        raise ValueError(f"{kind}: depths, strips and workers per SM must be positive, block sizes and warps "
+                         "powers of two: " + ", ".join(bad))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -82,13 +77,20 @@ class Tiles:
     depth: int = 64              # BK
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
+    # Pipeline stages of the gate/up tiles (routed and shared). 4 (variant stages4) gained only
+    # where many experts each have few rows and the reduction is short: H100 80GB, stop 40,
+    # gpu_session.sh variants-weights, one run, forward device ms 3 / 4 stages: DeepSeek-V3 32
+    # experts 5.63 / 5.65, Qwen3 16 2.15 / 2.18, DeepSeek-V3 256 10.77 / 11.31, Qwen3 128
+    # 3.21 / 3.10 (the same split at stop 30).
     stages: int = 3
     # Pipeline stages of the down tiles (routed and shared; 48 KB each at 128 x 256 x 64). Their
     # reduction is only I deep (32 steps at DeepSeek-V3), so a deeper pipeline may hide more of
-    # each tile's start; 4 fits (192 KB). In the kernel (variant down_stages4, H100 80GB, stop
-    # 30, one run) 4 took 5.82 against 5.80 ms (DeepSeek-V3 32 experts) and 3.30 against 3.38
-    # (Qwen3 128); on their own (benchmarks/gemm_tiles.py, H200, stop 39) the tiles ran at 597
-    # against 562 TFLOP/s. Not timed in the kernel since (gpu_session.sh variants-weights).
+    # each tile's start; 4 fits (192 KB). On their own (benchmarks/gemm_tiles.py, H200, stop 39)
+    # the tiles ran at 597 against 562 TFLOP/s. In the kernel it stays within a run's noise:
+    # variant down_stages4, H100 80GB, one run, forward device ms 3 / 4 stages, stop 40:
+    # DeepSeek-V3 32 experts 5.63 / 5.58, Qwen3 16 2.15 / 2.14, DeepSeek-V3 256 10.77 / 10.84,
+    # Qwen3 128 3.21 / 3.13 (stop 30: 5.80 / 5.82 and Qwen3 128 3.38 / 3.30). Both at 4
+    # (all_stages4): 5.65, 2.19, 11.24, 3.06.
     down_stages: int = 3
     warps: int = 8
     # Workers per SM. With 2, two workers of 4 warps share each SM, each on its own task, so
@@ -109,16 +111,6 @@ class Tiles:
     # busy per worker 3.18 -> 2.79 ms and the forward 5.72 -> 5.45 ms (DeepSeek-V3 rank view),
     # 1.29 -> 1.14 and 2.26 -> 2.15 ms (Qwen3 rank view).
     gate_up_one_dot: bool = True
-    # Steps ahead (0: none) at which the routed gate/up and down loops ask L2 for the weight
-    # lines of a later step (one PTX prefetch.global.L2 per thread and step; GPU only, the
-    # interpreter has no inline assembly). Nsight Compute on the H200 at stop 39 put the warps
-    # waiting for their weight block's TMA copy at 21% of the forward's samples in the gate/up
-    # loop and 8% in the down loop at Qwen3 128 experts (9% and 3% at DeepSeek-V3 32): with 3
-    # stages each copy is issued about two steps before its use, and a block shared by two or
-    # three row tiles comes from HBM. A prefetch some steps further ahead would have the copy
-    # find it in L2, at about AHEAD x 32 KB of L2 per running tile. Untimed: layer_forward.py
-    # variants l2_ahead4 and l2_ahead8 (gpu_session.sh stage variants-weights).
-    weight_prefetch_ahead: int = 0
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)

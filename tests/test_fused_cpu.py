@@ -185,11 +185,7 @@ def test_bad_tile_sizes_are_refused():
         BackwardTiles(dx_cols=100, wgrad_strip=0)
     with pytest.raises(ValueError, match=r"Tiles: .*workers_per_sm=0"):
         replace(INTERPRETER_TILES, workers_per_sm=0)
-    with pytest.raises(ValueError, match=r"Tiles: .*weight_prefetch_ahead=-1"):
-        replace(INTERPRETER_TILES, weight_prefetch_ahead=-1)
     replace(INTERPRETER_TILES, stages=3, down_stages=5, workers_per_sm=3)  # counts need not be powers of two
-    replace(INTERPRETER_TILES, weight_prefetch_ahead=0)  # nor distances ahead; 0 is none
-    replace(INTERPRETER_TILES, weight_prefetch_ahead=6)
 
 
 def check_cpu_needs_interpreter(rank, world):

@@ -88,16 +88,6 @@ def test_two_workers_per_sm(world):
     assert layers[0].fused().workers == 2 * sms // world
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_weight_prefetch_changes_no_result(world):
-    # The routed loops' L2 prefetches (Tiles.weight_prefetch_ahead) are hints: the output is
-    # held to the same bound. 8 steps ahead passes the end of both reductions here (1544 and
-    # 392 deep, neither a multiple of the 64-deep step), where the address is clamped to the
-    # last step, and the last column blocks (8 of 128 gate/up columns, 8 of 256 down columns)
-    # clamp their rows to the weight's last.
-    run_and_check("sigmoid_group_shared", world, tiles=replace(GPU_TILES, weight_prefetch_ahead=8))
-
-
 def test_grid_beyond_residency_is_refused():
     # The default tiles (8 warps, ~147 KB of shared memory) fit one worker per SM: asking for
     # two is refused before the launch, naming what the compiled kernel needs, instead of
