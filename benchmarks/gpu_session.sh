@@ -31,8 +31,6 @@
 #                    the routed tiles' weight copies wait less (stop 39: 20% of the forward's
 #                    warp time at Qwen3 128 experts): 4 pipeline stages for the gate/up tiles,
 #                    the down tiles or both
-#   variants-tails   layer_forward.py on the four EP=1 cases, the default against routed tiles
-#                    of 128 rows throughout (before stop 40, an expert's short last tile too)
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
@@ -70,8 +68,6 @@ run_stage() {
         variants-weights) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                               --out "$out/variants_weights.json" \
                               --variants default stages4 down_stages4 all_stages4 ;;
-        variants-tails) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                            --out "$out/variants_tails.json" --variants default full_tails ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \

@@ -69,8 +69,6 @@ TILE_VARIANTS = {
     "two_per_sm": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, gate_up_cols=64, down_cols=128),
     "two_per_sm_rows64": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, rows=64, stages=2,
                                              down_stages=2),
-    # Every routed tile of 128 rows, short tails included (the default until stop 40).
-    "full_tails": dataclasses.replace(GPU_TILES, half_row_tails=False),
 }
 
 

@@ -111,18 +111,9 @@ class Tiles:
     # busy per worker 3.18 -> 2.79 ms and the forward 5.72 -> 5.45 ms (DeepSeek-V3 rank view),
     # 1.29 -> 1.14 and 2.26 -> 2.15 ms (Qwen3 rank view).
     gate_up_one_dot: bool = True
-    # An expert's last row tile, when it holds at most rows / 2 rows, runs as a tile of rows / 2
-    # (a second compiled instance of the routed gate/up and down tiles): its wgmma are half
-    # as many. With T K rows over E experts an expert's rows are roughly Poisson, so at 256
-    # rows per expert (Qwen3 128 experts) about half the experts end in a tile of a few rows,
-    # and a routed tile of 128 rows ran 2.44 tiles' work per expert and column block where
-    # 2.0 would do. Needs rows / 2 >= 16 (tl.dot's least).
-    half_row_tails: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
-        if self.half_row_tails and self.rows < 32:
-            raise ValueError(f"Tiles: half_row_tails needs rows >= 32 (tiles of rows / 2 >= 16), got rows={self.rows}")
 
     def kernel_constants(self) -> dict:
         """The forward kernel's tile constants (``num_warps`` included; ``TMA`` and the row
@@ -131,7 +122,7 @@ class Tiles:
             BT=self.route_tokens, BK_R=self.route_depth, R_STAGES=self.route_stages, BR=self.dispatch_rows,
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
-            GU_ONE_DOT=self.gate_up_one_dot, HALF_TAILS=self.half_row_tails, num_warps=self.warps,
+            GU_ONE_DOT=self.gate_up_one_dot, num_warps=self.warps,
         )
 
 
@@ -141,7 +132,7 @@ GPU_TILES = Tiles()
 # left the CPU forward on 1-token, 1-column fold blocks, 3 stages and 8 warps.
 INTERPRETER_TILES = Tiles(
     route_tokens=16, route_depth=16, route_stages=1, dispatch_rows=16, dispatch_cols=32, rows=16, gate_up_cols=16,
-    down_cols=16, depth=16, fold_tokens=16, fold_cols=32, stages=1, down_stages=1, warps=1, half_row_tails=False,
+    down_cols=16, depth=16, fold_tokens=16, fold_cols=32, stages=1, down_stages=1, warps=1,
 )
 
 

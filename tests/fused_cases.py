@@ -75,13 +75,12 @@ CASES = {
         # weights by TMA, as on the H200.
         tiles=replace(INTERPRETER_TILES, tma=False, gate_up_one_dot=False),
     ),
-    # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles,
-    # the last ones of at most 16 rows as 16-row tiles (half_row_tails); one-dot gate/up tiles
-    # by pointer loads.
+    # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles;
+    # one-dot gate/up tiles by pointer loads.
     "softmax_rows32": dict(
         shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
         counts=[75, 9, 0, 30], workers=2,
-        tiles=replace(INTERPRETER_TILES, rows=32, tma=False, half_row_tails=True),
+        tiles=replace(INTERPRETER_TILES, rows=32, tma=False),
     ),
 }
 

@@ -185,8 +185,6 @@ def test_bad_tile_sizes_are_refused():
         BackwardTiles(dx_cols=100, wgrad_strip=0)
     with pytest.raises(ValueError, match=r"Tiles: .*workers_per_sm=0"):
         replace(INTERPRETER_TILES, workers_per_sm=0)
-    with pytest.raises(ValueError, match=r"half_row_tails needs rows >= 32"):
-        replace(INTERPRETER_TILES, half_row_tails=True)  # rows 16: half tiles of 8, below tl.dot's 16
     replace(INTERPRETER_TILES, stages=3, down_stages=5, workers_per_sm=3)  # counts need not be powers of two
 
 
