@@ -78,7 +78,7 @@ class Tiles:
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
     # Pipeline stages of the gate/up tiles (routed and shared). 4 (variant stages4) gained only
-    # where many experts each have few rows and the reduction is short: H100 80GB, stop 40,
+    # at Qwen3 128 experts and lost most at DeepSeek-V3 256: H100 80GB, stop 40,
     # gpu_session.sh variants-weights, one run, forward device ms 3 / 4 stages: DeepSeek-V3 32
     # experts 5.63 / 5.65, Qwen3 16 2.15 / 2.18, DeepSeek-V3 256 10.77 / 11.31, Qwen3 128
     # 3.21 / 3.10 (the same split at stop 30).
