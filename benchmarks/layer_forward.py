@@ -69,6 +69,9 @@ TILE_VARIANTS = {
     "two_per_sm": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, gate_up_cols=64, down_cols=128),
     "two_per_sm_rows64": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, rows=64, stages=2,
                                              down_stages=2),
+    # 256-row tiles, half as wide (the same accumulator): where an expert has about 256 rows
+    # (Qwen3 128 experts), one tile per weight block instead of two or three reading it.
+    "rows256": dataclasses.replace(GPU_TILES, rows=256, gate_up_cols=64, down_cols=128),
 }
 
 
