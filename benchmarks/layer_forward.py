@@ -70,7 +70,11 @@ TILE_VARIANTS = {
     "two_per_sm_rows64": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, rows=64, stages=2,
                                              down_stages=2),
     # 256-row tiles, half as wide (the same accumulator): where an expert has about 256 rows
-    # (Qwen3 128 experts), one tile per weight block instead of two or three reading it.
+    # (Qwen3 128 experts), fewer tiles reading each weight block. Slower everywhere: H100 80GB,
+    # stop 40, one run, forward device ms default / rows256: Qwen3 128 experts 3.12 / 3.65 (the
+    # rows of half the experts spill past 256, so 4416 gate/up tiles of equal work against
+    # 3744), DeepSeek-V3 32 experts 5.54 / 6.19, Qwen3 16 experts 2.14 / 2.65 (gate/up tiles of
+    # equal work 65.3 against 50.1 us).
     "rows256": dataclasses.replace(GPU_TILES, rows=256, gate_up_cols=64, down_cols=128),
 }
 
