@@ -20,8 +20,8 @@ the last worker of this rank, after its fold has seen every peer's write of this
 import triton
 import triton.language as tl
 
-from .queues import fold_block, ticket
-from .signals import ERR_COMBINE, ERR_SHORT, WORKSPACE_ALIGN, peer_ptr, record_error, row_bases
+from .queues import combine_destination, fold_block, ticket
+from .signals import ERR_COMBINE, ERR_SHORT, peer_ptr, record_error
 
 Q_SEND = tl.constexpr(0)
 Q_FOLD = tl.constexpr(1)
@@ -44,7 +44,6 @@ def combine_kernel(
     SCOPE: tl.constexpr, WEIGHTED: tl.constexpr,
 ):
     DT = y_ptr.dtype.element_ty
-    ES: tl.constexpr = DT.primitive_bitwidth // 8
     SLOTS: tl.constexpr = TOP_K   # the exchange's combine buffer (backward_layout, rows_only)
     ctl = peer_ptr(peers_ptr, me, 0, tl.int32)
     heads = ctl + C_HEADS
@@ -93,9 +92,7 @@ def combine_kernel(
                     row_ok = rows < n_rows
                     src_r = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
                     ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-                    tok = ent // TOP_K
-                    slot = (tok * SLOTS + ent % TOP_K).to(tl.int64)
-                    base = row_bases(peers_ptr, src_r, W)
+                    dst_rows, base, tok = combine_destination(peers_ptr, src_r, ent, DT, TOP_K, SLOTS, H, B_COMB, W)
                     wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
                     for h0 in tl.range(0, H, BH):
                         cols = h0 + tl.arange(0, BH)
@@ -103,8 +100,7 @@ def combine_kernel(
                         v = tl.load(y_ptr + rows.to(tl.int64)[:, None] * H + cols[None, :], mask=m2, other=0.0)
                         if WEIGHTED:
                             v = (v.to(tl.float32) * wgt[:, None]).to(DT)
-                        dst = (tl.multiple_of(base.to(tl.pointer_type(DT)), WORKSPACE_ALIGN) + B_COMB // ES + slot * H)[:, None] + cols[None, :]
-                        tl.store(dst, v, mask=m2)
+                        tl.store(dst_rows[:, None] + cols[None, :], v, mask=m2)
                     tl.debug_barrier()
                     arrive = (base + (C_COMB_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
                     tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
