@@ -118,11 +118,19 @@ from .tile_gemm import (
 # With PROFILE, every pass of a worker adds its nanoseconds to int64 slot ``kind`` of
 # ``profile_ptr`` and one to slot ``16 + kind``. Slot 0 is passes that found nothing ready.
 PROFILE_SLOTS = ("idle", "route", "count_exchange", "dispatch", "gate_up", "down",
-                 "shared_gate_up", "shared_down", "fold", "gate_up_epilogue", "down_epilogue")
+                 "shared_gate_up", "shared_down", "fold", "gate_up_epilogue", "down_epilogue",
+                 "idle_gate_up_held", "idle_down_held", "idle_fold_or_shared_held", "idle_nothing_held")
 # Parts of the routed GEMM tasks' time above (not passes of their own): from a tile's last
 # dot to the end of its stores (a down tile's: and of its arrival signals to the source ranks).
 PROFILE_GATE_UP_EPILOGUE = tl.constexpr(PROFILE_SLOTS.index("gate_up_epilogue"))
 PROFILE_DOWN_EPILOGUE = tl.constexpr(PROFILE_SLOTS.index("down_epilogue"))
+# Parts of "idle" by what the worker held, the most upstream first: a GATE_UP ticket whose rows
+# have not all arrived, else a DOWN ticket whose gate/up tiles are not all done, else a FOLD or
+# SDOWN ticket; "nothing" also holds the wait for every rank's counts.
+PROFILE_IDLE_GATE_UP = tl.constexpr(PROFILE_SLOTS.index("idle_gate_up_held"))
+PROFILE_IDLE_DOWN = tl.constexpr(PROFILE_SLOTS.index("idle_down_held"))
+PROFILE_IDLE_TAIL = tl.constexpr(PROFILE_SLOTS.index("idle_fold_or_shared_held"))
+PROFILE_IDLE_NOTHING = tl.constexpr(PROFILE_SLOTS.index("idle_nothing_held"))
 
 # Queue slots in the control block.
 Q_FEED = tl.constexpr(0)
@@ -552,8 +560,16 @@ def expert_forward_kernel(
         else:
             idle = 0
         if PROFILE:
-            tl.atomic_add(profile_ptr + did, now() - t_pass, sem="relaxed")
+            t_spent = now() - t_pass
+            tl.atomic_add(profile_ptr + did, t_spent, sem="relaxed")
             tl.atomic_add(profile_ptr + 16 + did, 1, sem="relaxed")
+            if (did == 0) & (running > 0):
+                why = tl.where(held_gu >= 0, PROFILE_IDLE_GATE_UP,
+                               tl.where(held_dn >= 0, PROFILE_IDLE_DOWN,
+                                        tl.where((held_f >= 0) | (held_sdn >= 0), PROFILE_IDLE_TAIL,
+                                                 PROFILE_IDLE_NOTHING)))
+                tl.atomic_add(profile_ptr + why, t_spent, sem="relaxed")
+                tl.atomic_add(profile_ptr + 16 + why, 1, sem="relaxed")
 
     # ---- Leave; the last worker out resets the counters for the next call. ----
     tl.debug_barrier()
