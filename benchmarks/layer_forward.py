@@ -76,9 +76,6 @@ TILE_VARIANTS = {
     # 3744), DeepSeek-V3 32 experts 5.54 / 6.19, Qwen3 16 experts 2.14 / 2.65 (gate/up tiles of
     # equal work 65.3 against 50.1 us).
     "rows256": dataclasses.replace(GPU_TILES, rows=256, gate_up_cols=64, down_cols=128),
-    # Dispatch chunks only when no tile is ready (before stop 41), and ahead by 4 local experts.
-    "dispatch_ahead_off": dataclasses.replace(GPU_TILES, dispatch_ahead=False),
-    "dispatch_lead4": dataclasses.replace(GPU_TILES, dispatch_lead=4),
 }
 
 

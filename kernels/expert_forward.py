@@ -102,8 +102,8 @@ import triton.language as tl
 
 from .profile import now
 from .queues import (
-    claim as _claim, combine_destination, dispatch_chunk, dispatch_target, expert_tasks, fold_block, locate as _locate,
-    pick as _pick, poll_counts, record_missing_counts, settle_ticket, take_ticket,
+    claim as _claim, combine_destination, dispatch_chunk, expert_tasks, fold_block, locate as _locate, pick as _pick,
+    poll_counts, record_missing_counts, settle_ticket, take_ticket,
 )
 from .route import router_logits, top_k_routing
 from .signals import (
@@ -268,7 +268,6 @@ def expert_forward_kernel(
     BM: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
     BHF: tl.constexpr, STAGES: tl.constexpr, DN_STAGES: tl.constexpr,
     TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr,
-    DISPATCH_AHEAD: tl.constexpr, DISPATCH_LEAD: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -311,8 +310,7 @@ def expert_forward_kernel(
     held_dn = -1
     held_sdn = -1
     held_f = -1
-    held_feed = -1  # a dispatch chunk taken before every rank's counts were in, or ahead of its demand
-    held_feed_el = 0  # the local expert (at its destination) of a dispatch chunk held once the counts are in
+    held_feed = -1  # a dispatch chunk taken before every rank's counts were in
     # Bit q set: queue q may still have unclaimed tasks. A worker clears it when it finds the
     # queue's head at its end (the task counts are fixed once the counts are known), and then
     # skips the queue: every pass of a short task would otherwise pay a round trip per queue.
@@ -350,35 +348,6 @@ def expert_forward_kernel(
                 f = -1
 
         held_f = f
-
-        # ---- Dispatch chunks that peers are about to consume ----
-        # A chunk's consumer is a GATE_UP tile of its destination, and every rank takes its
-        # local experts in index order, as this one does. Below GATE_UP in the queue order a
-        # rank whose workers always found a tile ready sent nothing, while its peers had run out
-        # of rows (emulated 8-rank DeepSeek-V3 forward, H100: 4.0 of 64.3 ms idle per worker
-        # holding a GATE_UP ticket whose rows had not all arrived). So a worker that holds a
-        # GATE_UP ticket (the counts are in, so every FEED task left is a dispatch chunk) takes
-        # a chunk as it goes, and runs it before any tile once its local expert is within
-        # DISPATCH_LEAD of its ticket's; until then it holds it, and FEED runs it as before
-        # when nothing else is ready. With one rank a chunk only publishes row metadata.
-        if DISPATCH_AHEAD:
-            if (did == 0) & known & (held_gu >= 0):
-                a = held_feed
-                if a < 0:
-                    a, open_q = _claim(heads + Q_FEED, -1, n_feed, open_q, OPEN_FEED)
-                    if a >= 0:
-                        o, _, _ = dispatch_target(ctl, me, par, a - n_route - 1, W, E, E_L, O_PAD, BR, C_TABLE)
-                        held_feed_el = tl.where(o >= 0, o // W, -1)  # -1: past the last chunk, a no-op
-                if a >= 0:
-                    e_gu, _ = _locate(cum_gu, el_idx, held_gu)
-                    if held_feed_el <= e_gu + DISPATCH_LEAD:
-                        dispatch_chunk(ctl, peers_ptr, me, par, a - n_route - 1, x_ptr, x_ptr, topk_w,
-                                       W, W_PAD, E, E_L, EL_PAD, O_PAD, TOP_K, T_MAX, H, BR, BH,
-                                       C_TABLE, C_SEND_LIST, C_RECV_SRC, C_RECV_ENT, C_ARRIVED,
-                                       B_RECV_X, B_RECV_X, B_RECV_W, False, False, SCOPE)
-                        did = 3
-                        a = -1
-                held_feed = a
 
         # ---- DOWN (routed) ----
         if did == 0:
@@ -472,7 +441,6 @@ def expert_forward_kernel(
                 # A dispatch chunk before every rank's counts are in: keep the ticket and
                 # fill the wait with the shared expert's tiles below (it was a spin in place).
                 held_feed = a
-                held_feed_el = -1  # among the first chunks: due as soon as the counts are in
                 a = -1
             else:
                 held_feed = -1

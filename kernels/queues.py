@@ -141,20 +141,6 @@ def expert_tasks(table, BM: tl.constexpr, N_A: tl.constexpr, N_B: tl.constexpr):
 
 
 @triton.jit
-def dispatch_target(ctl, me, par, d, W: tl.constexpr, E: tl.constexpr, E_L: tl.constexpr, O_PAD: tl.constexpr,
-                    BR: tl.constexpr, C_TABLE: tl.constexpr):
-    """Where this rank's dispatch chunk ``d`` goes: its bucket ``o = local expert * W +
-    destination`` (-1 for a ``d`` past the last chunk), the bucket's first chunk and its rows.
-    Needs every rank's counts (count table ``par``)."""
-    o_idx = tl.arange(0, O_PAD)
-    n_o = tl.load(ctl + C_TABLE + par * W * E + me * E + (o_idx % W) * E_L + o_idx // W, mask=o_idx < E, other=0)
-    cum = tl.cumsum(tl.cdiv(n_o, BR), axis=0)
-    o, first = locate(cum, o_idx, d)
-    o = tl.where(d < tl.sum(tl.cdiv(n_o, BR), axis=0), o, -1)
-    return o, first, pick(n_o, o_idx, o)
-
-
-@triton.jit
 def dispatch_chunk(
     ctl, peers_ptr, me, par, d, x_ptr, g_ptr, weights_ptr,
     W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constexpr, E_L: tl.constexpr, EL_PAD: tl.constexpr,
@@ -174,12 +160,16 @@ def dispatch_chunk(
     are read in place by the expert tiles. Needs every rank's counts (count table ``par``).
     """
     DT = x_ptr.dtype.element_ty
+    o_idx = tl.arange(0, O_PAD)
     w_idx = tl.arange(0, W_PAD)
     el_idx = tl.arange(0, EL_PAD)
-    o, first, n_rows_o = dispatch_target(ctl, me, par, d, W, E, E_L, O_PAD, BR, C_TABLE)
-    if o >= 0:
+    n_o = tl.load(ctl + C_TABLE + par * W * E + me * E + (o_idx % W) * E_L + o_idx // W, mask=o_idx < E, other=0)
+    cum = tl.cumsum(tl.cdiv(n_o, BR), axis=0)
+    if d < tl.sum(tl.cdiv(n_o, BR), axis=0):
+        o, first = locate(cum, o_idx, d)
         el = o // W
         dst = o % W
+        n_rows_o = pick(n_o, o_idx, o)
         pos = (d - first) * BR + tl.arange(0, BR)
         row_ok = pos < n_rows_o
         ent = tl.load(ctl + C_SEND_LIST + (dst * E_L + el).to(tl.int64) * T_MAX + pos, mask=row_ok, other=0)

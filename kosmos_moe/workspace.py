@@ -111,12 +111,6 @@ class Tiles:
     # busy per worker 3.18 -> 2.79 ms and the forward 5.72 -> 5.45 ms (DeepSeek-V3 rank view),
     # 1.29 -> 1.14 and 2.26 -> 2.15 ms (Qwen3 rank view).
     gate_up_one_dot: bool = True
-    # Dispatch chunks run ahead of the GATE_UP tiles (kernels/expert_forward.py, "Dispatch
-    # chunks that peers are about to consume"): a worker holding a GATE_UP ticket of local
-    # expert e runs any dispatch chunk for a local expert up to e + dispatch_lead before its
-    # tiles. Off, chunks run only when no tile is ready, and peers wait for rows.
-    dispatch_ahead: bool = True
-    dispatch_lead: int = 1
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -128,8 +122,7 @@ class Tiles:
             BT=self.route_tokens, BK_R=self.route_depth, R_STAGES=self.route_stages, BR=self.dispatch_rows,
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
-            GU_ONE_DOT=self.gate_up_one_dot, DISPATCH_AHEAD=self.dispatch_ahead, DISPATCH_LEAD=self.dispatch_lead,
-            num_warps=self.warps,
+            GU_ONE_DOT=self.gate_up_one_dot, num_warps=self.warps,
         )
 
 
