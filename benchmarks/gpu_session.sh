@@ -29,8 +29,9 @@
 #                    128 deep and the route tiles' staging before stop 38
 #   variants-weights layer_forward.py on the four EP=1 cases, the default against ways to have
 #                    the routed tiles' weight copies wait less (stop 39: 20% of the forward's
-#                    warp time at Qwen3 128 experts): 4 pipeline stages for the gate/up tiles,
-#                    the down tiles or both
+#                    warp time at Qwen3 128 experts): 4 pipeline stages for the gate/up tiles
+#                    as for the down tiles (stages4), or the down tiles' 3 before stop 41
+#                    (down_stages3)
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
@@ -67,7 +68,7 @@ run_stage() {
                             --out "$out/variants_route.json" --variants default route_depth128 route_stages2 ;;
         variants-weights) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                               --out "$out/variants_weights.json" \
-                              --variants default stages4 down_stages4 all_stages4 ;;
+                              --variants default stages4 down_stages3 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \

@@ -47,6 +47,9 @@ TILE_VARIANTS = {
     "default": GPU_TILES,
     "pointer_weights": dataclasses.replace(GPU_TILES, tma=False),
     "down128": dataclasses.replace(GPU_TILES, down_cols=128),
+    # Four stages for the gate/up tiles too, so every expert tile has 4 (196,640 B of shared
+    # memory offline): more weight bytes in flight per worker where the weights' bandwidth
+    # bounds the layer (256 experts). Tiles.stages has the figures.
     "stages4": dataclasses.replace(GPU_TILES, stages=4),
     "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),
     "no_row_hint": dataclasses.replace(GPU_TILES, row_alignment_hint=False),
@@ -59,14 +62,13 @@ TILE_VARIANTS = {
     # 147,480 B below 128). Untimed (stop 38).
     "route_depth128": dataclasses.replace(GPU_TILES, route_depth=128),
     "gate_up_two_dots": dataclasses.replace(GPU_TILES, gate_up_one_dot=False),
-    "down_stages4": dataclasses.replace(GPU_TILES, down_stages=4),
-    # Four stages for every expert tile (196,640 B of shared memory offline): more weight
-    # bytes in flight per worker where the weights' bandwidth bounds the layer (256 experts).
-    "all_stages4": dataclasses.replace(GPU_TILES, stages=4, down_stages=4),
+    # The down tiles' 3 stages, the default until stop 41 (Tiles.down_stages has the figures).
+    "down_stages3": dataclasses.replace(GPU_TILES, down_stages=3),
     # Two workers of one warpgroup per SM (Tiles.workers_per_sm), each tile a warpgroup's:
     # 128 x 128 tiles (gate/up as one dot of 64 + 64 columns) in 3 stages (98 KB of shared
     # memory offline, so two fit), or 64 x 256 tiles in 2 stages (82 KB).
-    "two_per_sm": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, gate_up_cols=64, down_cols=128),
+    "two_per_sm": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, gate_up_cols=64, down_cols=128, stages=3,
+                                      down_stages=3),
     "two_per_sm_rows64": dataclasses.replace(GPU_TILES, warps=4, workers_per_sm=2, rows=64, stages=2,
                                              down_stages=2),
     # 256-row tiles, half as wide (the same accumulator): where an expert has about 256 rows

@@ -81,17 +81,19 @@ class Tiles:
     # at Qwen3 128 experts and lost most at DeepSeek-V3 256: H100 80GB, stop 40,
     # gpu_session.sh variants-weights, one run, forward device ms 3 / 4 stages: DeepSeek-V3 32
     # experts 5.63 / 5.65, Qwen3 16 2.15 / 2.18, DeepSeek-V3 256 10.77 / 11.31, Qwen3 128
-    # 3.21 / 3.10 (the same split at stop 30).
+    # 3.21 / 3.10 (the same split at stop 30; stop 41, with 3 down stages: 11.02 / 11.15 and
+    # 3.19 / 3.06). Those variants kept the down tiles at 3 stages, the default then.
     stages: int = 3
-    # Pipeline stages of the down tiles (routed and shared; 48 KB each at 128 x 256 x 64). Their
-    # reduction is only I deep (32 steps at DeepSeek-V3), so a deeper pipeline may hide more of
-    # each tile's start; 4 fits (192 KB). On their own (benchmarks/gemm_tiles.py, H200, stop 39)
-    # the tiles ran at 597 against 562 TFLOP/s. In the kernel it stays within a run's noise:
-    # variant down_stages4, H100 80GB, one run, forward device ms 3 / 4 stages, stop 40:
-    # DeepSeek-V3 32 experts 5.63 / 5.58, Qwen3 16 2.15 / 2.14, DeepSeek-V3 256 10.77 / 10.84,
-    # Qwen3 128 3.21 / 3.13 (stop 30: 5.80 / 5.82 and Qwen3 128 3.38 / 3.30). Both at 4
-    # (all_stages4): 5.65, 2.19, 11.24, 3.06.
-    down_stages: int = 3
+    # Pipeline stages of the down tiles (routed and shared; 48 KB each at 128 x 256 x 64, so 4
+    # take 192 KB). Their reduction is only I deep (32 steps at DeepSeek-V3), so a deeper
+    # pipeline hides more of each tile's start. On their own (benchmarks/gemm_tiles.py, H200,
+    # stop 39) the tiles ran at 597 against 562 TFLOP/s. In the kernel, forward device ms 3 / 4
+    # stages (layer_forward.py variant down_stages4 then, down_stages3 now), H100 80GB, one run
+    # at each of stops 30, 40 and 41: Qwen3 128 experts 3.38 / 3.30, 3.21 / 3.13, 3.19 / 3.12
+    # (2.1-2.5% each time); DeepSeek-V3 32 experts 5.80 / 5.82, 5.63 / 5.58, 5.64 / 5.53;
+    # Qwen3 16 2.31 / 2.31, 2.15 / 2.14, 2.14 / 2.15; DeepSeek-V3 256 11.46 / 11.38,
+    # 10.77 / 10.84, 10.78 / 10.76. So 4 since stop 41 (3 before).
+    down_stages: int = 4
     warps: int = 8
     # Workers per SM. With 2, two workers of 4 warps share each SM, each on its own task, so
     # one's tile start, epilogue and queue passes overlap the other's wgmma: what CUTLASS's

@@ -82,7 +82,7 @@ def test_forced_worker_counts(workers):
 def test_two_workers_per_sm(world):
     # Workers of one warpgroup, two per SM: the grid is twice the SMs over the ranks, and every
     # worker of every rank is resident at once (a stranded one would stall the world).
-    tiles = replace(GPU_TILES, warps=4, workers_per_sm=2, gate_up_cols=64, down_cols=128)
+    tiles = replace(GPU_TILES, warps=4, workers_per_sm=2, gate_up_cols=64, down_cols=128, stages=3, down_stages=3)
     layers = run_and_check("sigmoid_group_shared", world, tiles=tiles)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert layers[0].fused().workers == 2 * sms // world
