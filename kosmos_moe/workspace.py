@@ -101,7 +101,7 @@ class Tiles:
     # The compiled kernel must fit that many per SM (registers, shared memory); the launcher
     # checks before its first launch (kosmos_moe.residency). Slower on the H200 in every case
     # (layer_forward.py variant two_per_sm, 128 x 128 tiles: DeepSeek-V3 rank view 5.90 against
-    # 5.48 ms, gate/up tiles 3.26 against 2.79 ms busy per worker; README), so 1.
+    # 5.48 ms, gate/up tiles 3.26 against 2.79 ms busy per worker; benchmarks/FINDINGS.md), so 1.
     workers_per_sm: int = 1
     tma: bool = True             # weight blocks by TMA where the device and strides allow it (kosmos_moe.fused.weight_descriptors)
     row_alignment_hint: bool = True  # tell the compiler gate/up rows are 16-byte aligned when they are (expert_forward)
