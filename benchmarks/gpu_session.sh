@@ -15,8 +15,8 @@
 #   forward          layer_forward.py on the four EP=1 cases (the forward table)
 #   backward         layer_backward.py --profile on the four cases (the forward+backward table)
 #   variants-forward layer_forward.py on the four EP=1 cases, the default against the forward
-#                    variants last timed (two workers per SM, benchmarks/FINDINGS.md's table), after
-#                    GPU tests of those tiles
+#                    variants last timed (two workers per SM, the table in
+#                    benchmarks/FINDINGS.md), after the GPU tests of those tiles
 #   variants         layer_backward.py --profile, DeepSeek-V3 32 experts and Qwen3 16 experts,
 #                    the default against the stop 33 tiles (flat weight-gradient strips,
 #                    128-column dx and SwiGLU-backward tiles), each wide tile narrowed alone,

@@ -407,9 +407,10 @@ def row_reduction_strip(
     loop keeping one in flight. At 256 experts (two row steps a block) the weight gradients
     then took 16% longer on an H100, which those wider tiles made up. Reducing a strip of few
     rows as one dot a block over every row instead (zero-padded, the loop over blocks two
-    stages deep, no accumulator carried) did not win that back (stop 35, benchmarks/FINDINGS.md). (The
-    per-block reductions that once made ptxas serialize the kernel's wgmma, C7515, were laid
-    out otherwise: two loops, one per gradient, into one accumulator zeroed before both.)
+    stages deep, no accumulator carried) did not win that back (stop 35,
+    benchmarks/FINDINGS.md). (The per-block reductions that once made ptxas serialize the
+    kernel's wgmma, C7515, were laid out otherwise: two loops, one per gradient, into one
+    accumulator zeroed before both.)
 
     The widths are run-time values, so that the backward's two weight gradients share one
     loop (one set of pipeline buffers in shared memory); ``ALIGNED`` says that both are

@@ -82,7 +82,7 @@ class Tiles:
     # gpu_session.sh variants-weights, one run, forward device ms 3 / 4 stages: DeepSeek-V3 32
     # experts 5.63 / 5.65, Qwen3 16 2.15 / 2.18, DeepSeek-V3 256 10.77 / 11.31, Qwen3 128
     # 3.21 / 3.10 (the same split at stop 30; stop 41, with 3 down stages: 11.02 / 11.15 and
-    # 3.19 / 3.06). Those variants kept the down tiles at 3 stages, the default then.
+    # 3.19 / 3.06), all with the down tiles at 3 stages, their default then.
     stages: int = 3
     # Pipeline stages of the down tiles (routed and shared; 48 KB each at 128 x 256 x 64, so 4
     # take 192 KB). Their reduction is only I deep (32 steps at DeepSeek-V3), so a deeper
@@ -101,7 +101,8 @@ class Tiles:
     # The compiled kernel must fit that many per SM (registers, shared memory); the launcher
     # checks before its first launch (kosmos_moe.residency). Slower on the H200 in every case
     # (layer_forward.py variant two_per_sm, 128 x 128 tiles: DeepSeek-V3 rank view 5.90 against
-    # 5.48 ms, gate/up tiles 3.26 against 2.79 ms busy per worker; benchmarks/FINDINGS.md), so 1.
+    # 5.48 ms, gate/up tiles 3.26 against 2.79 ms busy per worker; benchmarks/FINDINGS.md),
+    # so 1.
     workers_per_sm: int = 1
     tma: bool = True             # weight blocks by TMA where the device and strides allow it (kosmos_moe.fused.weight_descriptors)
     row_alignment_hint: bool = True  # tell the compiler gate/up rows are 16-byte aligned when they are (expert_forward)
