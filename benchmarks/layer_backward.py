@@ -87,6 +87,9 @@ VARIANTS = {
     # The route backward's d logits @ Wr with three copies in flight: slower than one (stop 38,
     # H100, route backward 0.167 against 0.131 ms busy per worker at DeepSeek-V3 32 experts).
     "route_stages4": _backward_tiles(route_stages=4),
+    # The weight-gradient blocks stored without the L2 evict-first policy (the default until
+    # stop 42).
+    "wgrad_keep_in_l2": _backward_tiles(wgrad_evict_first=False),
 }
 
 

@@ -81,11 +81,13 @@ from .tile_gemm import column_halves, row_reduction_strip, rows_times_weight_til
 
 PROFILE_SLOTS = ("idle", "layout", "count_exchange", "dispatch", "swiglu_backward", "dx",
                  "route_backward", "fold", "weight_grad", "router_weight_grad",
-                 "swiglu_backward_epilogue", "dx_epilogue")
-# Parts of the kept-projection SwiGLU-backward and the dx tiles' time above (not passes of
-# their own): from the tile's last dot to the end of its stores and signals.
+                 "swiglu_backward_epilogue", "dx_epilogue", "weight_grad_epilogue")
+# Parts of the kept-projection SwiGLU-backward, dx and weight-gradient tasks' time above (not
+# passes of their own): from the tile's last dot to the end of its stores and signals (weight
+# gradients: to the issue of each block's store).
 PROFILE_DH_EPILOGUE = tl.constexpr(PROFILE_SLOTS.index("swiglu_backward_epilogue"))
 PROFILE_DX_EPILOGUE = tl.constexpr(PROFILE_SLOTS.index("dx_epilogue"))
+PROFILE_WG_EPILOGUE = tl.constexpr(PROFILE_SLOTS.index("weight_grad_epilogue"))
 
 Q_FEED = tl.constexpr(0)
 Q_DH = tl.constexpr(1)
@@ -238,6 +240,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
+    WG_EVICT_FIRST: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -607,7 +610,8 @@ def expert_backward_kernel(
                                                      d_down_ptr + e.to(tl.int64) * H * I),
                                             n_rows_e, mb * BWM, sb * WS, tl.where(gu, 2 * I, H), tl.where(gu, H, I),
                                             WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, (H % 16 == 0) & (I % 16 == 0),
-                                            WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS)
+                                            WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS, PROFILE,
+                                            profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST)
                         did = 8
                         q = -1
                         kind = 0

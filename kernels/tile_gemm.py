@@ -11,6 +11,8 @@ fp32 under the interpreter, whose bf16 ``tl.dot`` is wrong (DESIGN.md).
 import triton
 import triton.language as tl
 
+from .profile import now
+
 
 @triton.jit
 def store_swiglu(acc_g, acc_u, h_ptr, rows, cols, row_ok, N_DIM: tl.constexpr):
@@ -351,10 +353,11 @@ def down_tile_tma_w(
 
 
 @triton.jit
-def _store_block(out_ptr, mcols, m_ok, ncols, N_DIM, block):
-    """``out[mcols, ncols] = block`` in ``out``'s dtype, inside ``[M_DIM, N_DIM]`` (``m_ok``)."""
+def _store_block(out_ptr, mcols, m_ok, ncols, N_DIM, block, EVICT_FIRST: tl.constexpr = False):
+    """``out[mcols, ncols] = block`` in ``out``'s dtype, inside ``[M_DIM, N_DIM]`` (``m_ok``);
+    ``EVICT_FIRST``: with an L2 evict-first policy (a result no one reads in this launch)."""
     tl.store(out_ptr + mcols.to(tl.int64)[:, None] * N_DIM + ncols[None, :], block.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & (ncols < N_DIM)[None, :])
+             mask=m_ok[:, None] & (ncols < N_DIM)[None, :], eviction_policy="evict_first" if EVICT_FIRST else "")
 
 
 @triton.jit
@@ -375,11 +378,12 @@ def _strip_operands(a_ptr, b_ptr, a_desc, b_desc, n_rows, m0, mcols, m_ok, s, bl
 
 
 @triton.jit
-def _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN: tl.constexpr, TMA_STORE: tl.constexpr):
+def _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN: tl.constexpr, TMA_STORE: tl.constexpr,
+                 EVICT_FIRST: tl.constexpr):
     if TMA_STORE:
         o_desc.store([m0, blk * BN], acc.to(out_ptr.dtype.element_ty))
     else:
-        _store_block(out_ptr, mcols, m_ok, blk * BN + tl.arange(0, BN), N_DIM, acc)
+        _store_block(out_ptr, mcols, m_ok, blk * BN + tl.arange(0, BN), N_DIM, acc, EVICT_FIRST)
 
 
 @triton.jit
@@ -388,6 +392,7 @@ def row_reduction_strip(
     STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ALIGNED: tl.constexpr, TMA: tl.constexpr = False,
     TMA_STORE: tl.constexpr = False, BLOCK_LOOPS: tl.constexpr = False,
+    PROFILE: tl.constexpr = False, epilogue_ns=None, EVICT_FIRST: tl.constexpr = False,
 ):
     """``out[m0:m0+BM, n-block] = a[:n_rows, m0:m0+BM]^T @ b[:n_rows, n-block]`` for ``STRIP``
     consecutive ``BN``-column blocks from ``blk0`` (fewer at the right edge).
@@ -425,6 +430,12 @@ def row_reduction_strip(
     A descriptor cannot have zero rows: ``n_rows == 0`` stores the zeros directly.
     ``TMA_STORE`` (with ``TMA``) also writes each finished block through a descriptor over
     ``out``: the copy engine takes the block from shared memory while the loop goes on.
+
+    ``EVICT_FIRST`` stores the blocks (by pointer) with an L2 evict-first policy, so that they
+    push out less of what the next blocks read (descriptor stores take no cache hint).
+
+    ``PROFILE`` (with ``BLOCK_LOOPS``) adds to ``*epilogue_ns`` each block's time from the end
+    of its loop to its store's issue.
     """
     if ALIGNED:
         M_DIM = tl.multiple_of(M_DIM, 16)
@@ -442,7 +453,7 @@ def row_reduction_strip(
     if zeros_only:
         for blk in range(blk0, blk0 + n_blocks):
             _store_block(out_ptr, mcols, m_ok, blk * BN + tl.arange(0, BN), N_DIM,
-                         tl.zeros([BM, BN], dtype=tl.float32))
+                         tl.zeros([BM, BN], dtype=tl.float32), EVICT_FIRST)
     else:
         a_desc = a_ptr
         b_desc = b_ptr
@@ -460,7 +471,10 @@ def row_reduction_strip(
                     a_op, b_op = _strip_operands(a_ptr, b_ptr, a_desc, b_desc, n_rows, m0, mcols, m_ok, s, blk,
                                                  M_DIM, N_DIM, BN, BK, DOT_DTYPE, TMA)
                     acc = tl.dot(a_op, b_op, acc)
-                _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN, TMA and TMA_STORE)
+                t_epilogue = now() if PROFILE else 0
+                _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN, TMA and TMA_STORE, EVICT_FIRST)
+                if PROFILE:
+                    tl.atomic_add(epilogue_ns, now() - t_epilogue, sem="relaxed")
         else:
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             for i in tl.range(0, n_blocks * steps, num_stages=STAGES):
@@ -470,5 +484,5 @@ def row_reduction_strip(
                                              M_DIM, N_DIM, BN, BK, DOT_DTYPE, TMA)
                 acc = tl.dot(a_op, b_op, acc)
                 if s == steps - 1:
-                    _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN, TMA and TMA_STORE)
+                    _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN, TMA and TMA_STORE, EVICT_FIRST)
                     acc = tl.zeros([BM, BN], dtype=tl.float32)

@@ -330,6 +330,12 @@ class BackwardTiles:
     # experts 18.81 / 20.58, Qwen3 16 experts 7.82 / 8.36, DeepSeek-V3 256 experts 40.09 /
     # 40.09, Qwen3 128 experts 11.67 / 11.71.
     wgrad_block_loops: bool = True
+    # The weight-gradient blocks stored (by pointer) with an L2 evict-first policy. At 256
+    # experts they are 22.5 GB written once (DeepSeek-V3 at EP=1), which otherwise push out of
+    # L2 the rows the next blocks read. H100 80GB, stop 42, one run, forward+backward ms against
+    # no hint (layer_backward.py variant wgrad_keep_in_l2): DeepSeek-V3 256 experts 36.60 /
+    # 37.90 (weight gradients 13.40 / 14.22 ms busy per worker), Qwen3 128 experts 11.21 / 11.31.
+    wgrad_evict_first: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -347,7 +353,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
         )
 
 
