@@ -331,10 +331,11 @@ class BackwardTiles:
     # 40.09, Qwen3 128 experts 11.67 / 11.71.
     wgrad_block_loops: bool = True
     # The weight-gradient blocks stored (by pointer) with an L2 evict-first policy. At 256
-    # experts they are 22.5 GB written once (DeepSeek-V3 at EP=1), which otherwise push out of
-    # L2 the rows the next blocks read. H100 80GB, stop 42, one run, forward+backward ms against
-    # no hint (layer_backward.py variant wgrad_keep_in_l2): DeepSeek-V3 256 experts 36.60 /
-    # 37.90 (weight gradients 13.40 / 14.22 ms busy per worker), Qwen3 128 experts 11.21 / 11.31.
+    # experts they are 22.5 GB written once (DeepSeek-V3 at EP=1), likely pushing out of L2 the
+    # rows the next blocks read. H100 80GB, stop 42, one run, forward+backward ms against no
+    # hint (layer_backward.py variant wgrad_keep_in_l2): DeepSeek-V3 256 experts 36.60 / 37.90
+    # (weight gradients 13.40 / 14.22 ms busy per worker), Qwen3 128 experts 11.21 / 11.31; the
+    # experts with more rows were not timed with it.
     wgrad_evict_first: bool = True
 
     def __post_init__(self) -> None:
