@@ -90,6 +90,8 @@ VARIANTS = {
     # The weight-gradient blocks stored without the L2 evict-first policy (the default until
     # stop 42).
     "wgrad_keep_in_l2": _backward_tiles(wgrad_evict_first=False),
+    # Each weight-gradient strip started at its own column block (BackwardTiles.wgrad_rotate).
+    "wgrad_rotate": _backward_tiles(wgrad_rotate=True),
 }
 
 

@@ -240,7 +240,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False,
+    WG_EVICT_FIRST: tl.constexpr = False, WG_ROTATE: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -611,7 +611,8 @@ def expert_backward_kernel(
                                             n_rows_e, mb * BWM, sb * WS, tl.where(gu, 2 * I, H), tl.where(gu, H, I),
                                             WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, (H % 16 == 0) & (I % 16 == 0),
                                             WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS, PROFILE,
-                                            profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST)
+                                            profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST,
+                                            mb if WG_ROTATE else None)
                         did = 8
                         q = -1
                         kind = 0

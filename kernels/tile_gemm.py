@@ -392,7 +392,7 @@ def row_reduction_strip(
     STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ALIGNED: tl.constexpr, TMA: tl.constexpr = False,
     TMA_STORE: tl.constexpr = False, BLOCK_LOOPS: tl.constexpr = False,
-    PROFILE: tl.constexpr = False, epilogue_ns=None, EVICT_FIRST: tl.constexpr = False,
+    PROFILE: tl.constexpr = False, epilogue_ns=None, EVICT_FIRST: tl.constexpr = False, rotate=None,
 ):
     """``out[m0:m0+BM, n-block] = a[:n_rows, m0:m0+BM]^T @ b[:n_rows, n-block]`` for ``STRIP``
     consecutive ``BN``-column blocks from ``blk0`` (fewer at the right edge).
@@ -434,6 +434,11 @@ def row_reduction_strip(
     ``EVICT_FIRST`` stores the blocks (by pointer) with an L2 evict-first policy, so that they
     push out less of what the next blocks read (descriptor stores take no cache hint).
 
+    ``rotate`` (with ``BLOCK_LOOPS``; non-negative, ``None`` for none) starts the strip at its
+    block ``rotate`` modulo its length and wraps around, so that tasks running together on
+    strips over the same ``b`` columns (the fused backward's row blocks of one expert) read
+    different ``b`` blocks at a time rather than all the same one.
+
     ``PROFILE`` (with ``BLOCK_LOOPS``) adds to ``*epilogue_ns`` each block's time from the end
     of its loop to its store's issue.
     """
@@ -466,6 +471,8 @@ def row_reduction_strip(
                                                    block_shape=[BM, BN])
         if BLOCK_LOOPS:
             for blk in range(blk0, blk0 + n_blocks):
+                if rotate is not None:
+                    blk = blk0 + (blk - blk0 + rotate) % n_blocks
                 acc = tl.zeros([BM, BN], dtype=tl.float32)
                 for s in tl.range(0, steps, num_stages=STAGES):
                     a_op, b_op = _strip_operands(a_ptr, b_ptr, a_desc, b_desc, n_rows, m0, mcols, m_ok, s, blk,

@@ -337,6 +337,12 @@ class BackwardTiles:
     # (weight gradients 13.40 / 14.22 ms busy per worker), Qwen3 128 experts 11.21 / 11.31; the
     # experts with more rows were not timed with it.
     wgrad_evict_first: bool = True
+    # Each weight-gradient strip starts at its block (row block mod strip length) and wraps
+    # around. Without it the row blocks of one expert, taken together, read the same column
+    # block of the rows at about the same time; whether that crowds the L2 slices holding it is
+    # a guess from stop 42's 4.3 us loops of two steps. Not yet timed on a GPU (`bash
+    # benchmarks/gpu_session.sh variants-wgrad`).
+    wgrad_rotate: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -354,7 +360,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, WG_ROTATE=self.wgrad_rotate, num_warps=self.warps,
         )
 
 
