@@ -269,7 +269,9 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default", tra
             log(f"[{name}] {key} busy ms per worker: " + ", ".join(f"{k} {v:.3f}" for k, v in busy.items()))
             if key == "backward":
                 # Per GEMM task: the mean time and, for the kept-projection SwiGLU-backward and
-                # the dx tiles, the part after the last dot (the recomputing tiles have no timer).
+                # the dx tiles, the part after the last dot (the recomputing tiles have no timer);
+                # for the weight-gradient tasks, their blocks' time from the end of each block's
+                # loop to its store's issue (per-block loops only).
                 per_task = task_times(reports, ("swiglu_backward", "dx", "weight_grad"))
                 result["backward_per_task"] = per_task
                 log(f"[{name}] backward per task: " + describe_task_times(per_task))
