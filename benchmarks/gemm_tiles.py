@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kosmos_moe.kernels.tile_gemm import (
     down_tile, down_tile_tma, down_tile_tma_w, gate_up_pair_acc, gate_up_pair_acc_tma, gate_up_tile, gate_up_tile_tma,
-    gate_up_tile_tma_rows, row_reduction_strip, store_swiglu,
+    gate_up_tile_tma_rows, held_rows_strip, row_reduction_strip, store_swiglu,
 )
 
 SHAPES = {
@@ -43,6 +43,8 @@ SHAPES = {
     # All experts at EP=1: about 128 rows per expert, so a weight-gradient block is two row
     # steps and its store weighs as much as its math.
     "dsv3_full": (7168, 2048, 256, 4096, 8),
+    # About 256 rows per expert: four row steps a weight-gradient block.
+    "qwen3_full": (4096, 1536, 128, 4096, 8),
 }
 
 # (rows, gate/up columns, down columns, depth, stages, warps, weights by TMA: tile_gemm's *_tma
@@ -65,19 +67,32 @@ VARIANTS = {
 
 # Weight-gradient tiles: (output rows, output columns, reduction depth, stages, column blocks
 # per strip, warps, operands by TMA, blocks stored by TMA, each block its own loop instead of
-# one flat loop over the strip). The fused backward's (GPU_BACKWARD_TILES' wgrad_* fields) are
-# cols256 since stop 32, cols128 before; the other cols128-sized ones change one thing of
-# cols128, and cols256_block_loops one thing of cols256.
+# one flat loop over the strip, blocks stored with an L2 evict-first policy). The fused
+# backward's (GPU_BACKWARD_TILES' wgrad_* fields) are cols256_block_loops_evict since stop 42
+# (cols256_block_loops since stop 34, cols256 since stop 32, cols128 before); the other
+# cols128-sized ones change one thing of cols128, and cols256_block_loops one thing of cols256.
 WGRAD_VARIANTS = {
-    "cols128": (128, 128, 64, 4, 16, 8, True, False, False),
-    "pointers": (128, 128, 64, 4, 16, 8, False, False, False),
-    "pointers_stages3": (128, 128, 64, 3, 16, 8, False, False, False),
-    "cols256": (128, 256, 64, 3, 16, 8, True, False, False),
-    "rows256": (256, 128, 64, 3, 16, 8, True, False, False),
-    "cols256_pointers": (128, 256, 64, 3, 16, 8, False, False, False),
-    "strip4": (128, 128, 64, 4, 4, 8, True, False, False),
-    "tma_store": (128, 128, 64, 4, 16, 8, True, True, False),
-    "cols256_block_loops": (128, 256, 64, 3, 16, 8, True, False, True),
+    "cols128": (128, 128, 64, 4, 16, 8, True, False, False, False),
+    "pointers": (128, 128, 64, 4, 16, 8, False, False, False, False),
+    "pointers_stages3": (128, 128, 64, 3, 16, 8, False, False, False, False),
+    "cols256": (128, 256, 64, 3, 16, 8, True, False, False, False),
+    "rows256": (256, 128, 64, 3, 16, 8, True, False, False, False),
+    "cols256_pointers": (128, 256, 64, 3, 16, 8, False, False, False, False),
+    "strip4": (128, 128, 64, 4, 4, 8, True, False, False, False),
+    "tma_store": (128, 128, 64, 4, 16, 8, True, True, False, False),
+    "cols256_block_loops": (128, 256, 64, 3, 16, 8, True, False, True, False),
+    "cols256_block_loops_evict": (128, 256, 64, 3, 16, 8, True, False, True, True),
+}
+
+# Weight-gradient strips that hold the wider operand (tile_gemm.held_rows_strip): (output
+# rows, output columns, rows held at most, stages, output row blocks per strip, warps,
+# operands by TMA). An expert with more rows than that runs the fused default's per-block
+# loops on the same output blocks.
+HELD_VARIANTS = {
+    "held128_cols256": (128, 256, 128, 2, 16, 8, True),
+    "held128_cols256_s3": (128, 256, 128, 3, 16, 8, True),
+    "held256_cols128": (128, 128, 256, 2, 16, 8, True),
+    "held256_cols128_pointers": (128, 128, 256, 2, 16, 8, False),
 }
 
 
@@ -173,7 +188,7 @@ def _down_grid_tma(h_ptr, h_desc, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr,
 def _wgrad_grid(a_ptr, b_ptr, out_ptr, row_start_ptr, counts_ptr, M_DIM, N_DIM, n_m, n_s,
                 STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, STAGES: tl.constexpr,
                 DOT_DTYPE: tl.constexpr, TMA: tl.constexpr, TMA_STORE: tl.constexpr,
-                BLOCK_LOOPS: tl.constexpr):
+                BLOCK_LOOPS: tl.constexpr, EVICT_FIRST: tl.constexpr):
     """``out[e, m-block, strip] = a[rows of e, m-block]^T @ b[rows of e, strip]``, in the fused
     backward's task order (expert, row block, strip)."""
     pid = tl.program_id(0)
@@ -183,24 +198,58 @@ def _wgrad_grid(a_ptr, b_ptr, out_ptr, row_start_ptr, counts_ptr, M_DIM, N_DIM, 
     r0 = tl.load(row_start_ptr + e).to(tl.int64)
     row_reduction_strip(a_ptr + r0 * M_DIM, b_ptr + r0 * N_DIM, out_ptr + e.to(tl.int64) * M_DIM * N_DIM,
                         tl.load(counts_ptr + e), mb * BM, sb * STRIP, M_DIM, N_DIM, STRIP, BM, BN, BK, DOT_DTYPE,
-                        STAGES, (M_DIM % 16 == 0) & (N_DIM % 16 == 0), TMA, TMA_STORE, BLOCK_LOOPS)
+                        STAGES, (M_DIM % 16 == 0) & (N_DIM % 16 == 0), TMA, TMA_STORE, BLOCK_LOOPS,
+                        EVICT_FIRST=EVICT_FIRST)
+
+
+@triton.jit
+def _wgrad_held_grid(a_ptr, b_ptr, out_ptr, row_start_ptr, counts_ptr, M_DIM, N_DIM, n_n, n_ms,
+                     STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, K_PAD: tl.constexpr,
+                     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, TMA: tl.constexpr):
+    """The same gradients as (expert, column block, strip of row blocks) tasks of
+    ``held_rows_strip``; experts with more than ``K_PAD`` rows (or none) run per-block loops
+    of 64-row steps on the same blocks."""
+    pid = tl.program_id(0)
+    e = pid // (n_n * n_ms)
+    nb = (pid // n_ms) % n_n
+    ms = pid % n_ms
+    r0 = tl.load(row_start_ptr + e).to(tl.int64)
+    n_rows = tl.load(counts_ptr + e)
+    aligned: tl.constexpr = True
+    a = a_ptr + r0 * M_DIM
+    b = b_ptr + r0 * N_DIM
+    out = out_ptr + e.to(tl.int64) * M_DIM * N_DIM
+    if (n_rows > 0) & (n_rows <= K_PAD):
+        held_rows_strip(a, b, out, n_rows, ms * STRIP, nb * BN, M_DIM, N_DIM, STRIP, BM, BN, K_PAD, DOT_DTYPE,
+                        STAGES, aligned, TMA, True)
+    else:
+        for mb in range(ms * STRIP, tl.minimum(ms * STRIP + STRIP, tl.cdiv(M_DIM, BM))):
+            row_reduction_strip(a, b, out, n_rows, mb * BM, nb, M_DIM, N_DIM, 1, BM, BN, 64, DOT_DTYPE, 3,
+                                aligned, TMA, False, True, EVICT_FIRST=True)
 
 
 def wgrad_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, variant: tuple,
-                 dot_dtype=tl.bfloat16):
-    """A launcher of ``_wgrad_grid`` over expert-major rows ``a`` [R, M] and ``b`` [R, N] into ``out`` [E, M, N]."""
-    bm, bn, bk, stages, strip, warps, tma, tma_store, block_loops = variant
+                 dot_dtype=tl.bfloat16, held: bool = False):
+    """A launcher of ``_wgrad_grid`` (``held``: ``_wgrad_held_grid``, a ``HELD_VARIANTS`` entry)
+    over expert-major rows ``a`` [R, M] and ``b`` [R, N] into ``out`` [E, M, N]."""
     M, N = a.shape[1], b.shape[1]
-    n_m, n_s = triton.cdiv(M, bm), triton.cdiv(triton.cdiv(N, bn), strip)
     starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
     counts = counts.to(torch.int32)
-    grid = (counts.numel() * n_m * n_s,)
-    if tma and a.is_cuda:
+    if variant[6] and a.is_cuda:  # operands by TMA: descriptors made in the kernel need scratch
         from kosmos_moe.fused import ensure_triton_allocator
 
         ensure_triton_allocator()
+    if held:
+        bm, bn, k_pad, stages, strip, warps, tma = variant
+        n_n, n_ms = triton.cdiv(N, bn), triton.cdiv(triton.cdiv(M, bm), strip)
+        grid = (counts.numel() * n_n * n_ms,)
+        return lambda: _wgrad_held_grid[grid](a, b, out, starts, counts, M, N, n_n, n_ms, strip, bm, bn, k_pad,
+                                              stages, dot_dtype, tma, num_warps=warps)
+    bm, bn, bk, stages, strip, warps, tma, tma_store, block_loops, evict = variant
+    n_m, n_s = triton.cdiv(M, bm), triton.cdiv(triton.cdiv(N, bn), strip)
+    grid = (counts.numel() * n_m * n_s,)
     return lambda: _wgrad_grid[grid](a, b, out, starts, counts, M, N, n_m, n_s, strip, bm, bn, bk, stages, dot_dtype,
-                                     tma, tma_store, block_loops, num_warps=warps)
+                                     tma, tma_store, block_loops, evict, num_warps=warps)
 
 
 def tiles_of(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -223,7 +272,7 @@ def report(name: str, label: str, res: dict) -> None:
           f"(max diff h {res['h_max_diff']:.3g}, y {res['y_max_diff']:.3g})", file=sys.stderr, flush=True)
 
 
-def run_wgrad(name: str, variants: dict) -> dict:
+def run_wgrad(name: str, variants: dict, held_variants: dict | None = None) -> dict:
     """TFLOP/s of both weight gradients of one shape per variant, and of ``torch._grouped_mm``."""
     H, I, E, T, K = SHAPES[name]
     torch.manual_seed(0)
@@ -242,11 +291,13 @@ def run_wgrad(name: str, variants: dict) -> dict:
         out[f"grouped_mm_{key}_tflops"] = flops / timed(lambda: torch._grouped_mm(a.t(), b, offs=offs)) / 1e12
     print(f"[{name}] weight gradients, {R} rows: grouped_mm d_gate_up {out['grouped_mm_d_gate_up_tflops']:.0f}, "
           f"d_down {out['grouped_mm_d_down_tflops']:.0f} TFLOP/s", file=sys.stderr, flush=True)
-    for label, variant in variants.items():
+    runs = [(label, v, False) for label, v in variants.items()]
+    runs += [(label, v, True) for label, v in (held_variants or {}).items()]
+    for label, variant, held in runs:
         res = {}
         for key, (a, b) in grads.items():
             got = torch.empty_like(refs[key])
-            launch = wgrad_launch(a, b, got, counts, variant)
+            launch = wgrad_launch(a, b, got, counts, variant, held=held)
             launch()
             torch.cuda.synchronize()
             res[f"{key}_tflops"] = 2 * R * a.shape[1] * b.shape[1] / timed(launch) / 1e12
@@ -334,12 +385,15 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--wgrad-variants", nargs="*", default=list(WGRAD_VARIANTS), choices=list(WGRAD_VARIANTS),
                    help="weight-gradient tile variants (none: skip the weight gradients)")
+    p.add_argument("--held-variants", nargs="*", default=[], choices=list(HELD_VARIANTS),
+                   help="weight-gradient strips holding the wider operand, timed after --wgrad-variants")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     require_cuda("gemm_tiles.py")
     results = [run_shape(s, {v: VARIANTS[v] for v in args.variants}) for s in args.shapes if args.variants]
-    wgrad = [run_wgrad(s, {v: WGRAD_VARIANTS[v] for v in args.wgrad_variants})
-             for s in args.shapes if args.wgrad_variants]
+    wgrad = [run_wgrad(s, {v: WGRAD_VARIANTS[v] for v in args.wgrad_variants},
+                       {v: HELD_VARIANTS[v] for v in args.held_variants})
+             for s in args.shapes if args.wgrad_variants or args.held_variants]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shapes": results, "weight_gradients": wgrad}, f,
