@@ -69,8 +69,9 @@ VARIANTS = {
 # per strip, warps, operands by TMA, blocks stored by TMA, each block its own loop instead of
 # one flat loop over the strip, blocks stored with an L2 evict-first policy). The fused
 # backward's (GPU_BACKWARD_TILES' wgrad_* fields) are cols256_block_loops_evict since stop 42
-# (cols256_block_loops since stop 34, cols256 since stop 32, cols128 before); the other
-# cols128-sized ones change one thing of cols128, and cols256_block_loops one thing of cols256.
+# (4 stages; cols256_block_loops with 4 stages since stop 34, cols256 since stop 32, cols128
+# before); the other cols128-sized ones change one thing of cols128, and cols256_block_loops
+# one thing of cols256.
 WGRAD_VARIANTS = {
     "cols128": (128, 128, 64, 4, 16, 8, True, False, False, False),
     "pointers": (128, 128, 64, 4, 16, 8, False, False, False, False),
@@ -81,7 +82,7 @@ WGRAD_VARIANTS = {
     "strip4": (128, 128, 64, 4, 4, 8, True, False, False, False),
     "tma_store": (128, 128, 64, 4, 16, 8, True, True, False, False),
     "cols256_block_loops": (128, 256, 64, 3, 16, 8, True, False, True, False),
-    "cols256_block_loops_evict": (128, 256, 64, 3, 16, 8, True, False, True, True),
+    "cols256_block_loops_evict": (128, 256, 64, 4, 16, 8, True, False, True, True),
 }
 
 # Weight-gradient strips that hold the wider operand (tile_gemm.held_rows_strip): (output
