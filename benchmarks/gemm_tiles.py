@@ -302,7 +302,9 @@ def run_wgrad(name: str, variants: dict, held_variants: dict | None = None) -> d
             launch()
             torch.cuda.synchronize()
             res[f"{key}_tflops"] = 2 * R * a.shape[1] * b.shape[1] / timed(launch) / 1e12
-            res[f"{key}_max_diff"] = (got.float() - refs[key].float()).abs().max().item()
+            # Per group of experts: at 256 experts one gradient in fp32 is 30 GB.
+            res[f"{key}_max_diff"] = max((got[i:i + 16].float() - refs[key][i:i + 16].float()).abs().max().item()
+                                         for i in range(0, E, 16))
         out["variants"][label] = res
         print(f"[{name}/wgrad {label}] d_gate_up {res['d_gate_up_tflops']:.0f}, d_down {res['d_down_tflops']:.0f} "
               f"TFLOP/s (max diff {res['d_gate_up_max_diff']:.3g}, {res['d_down_max_diff']:.3g})",
