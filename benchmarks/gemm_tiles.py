@@ -33,7 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kosmos_moe.kernels.tile_gemm import (
     down_tile, down_tile_tma, down_tile_tma_w, gate_up_pair_acc, gate_up_pair_acc_tma, gate_up_tile, gate_up_tile_tma,
-    gate_up_tile_tma_rows, held_rows_strip, row_reduction_strip, store_swiglu,
+    gate_up_tile_tma_rows, row_reduction_strip, store_swiglu,
 )
 
 SHAPES = {
@@ -83,17 +83,6 @@ WGRAD_VARIANTS = {
     "tma_store": (128, 128, 64, 4, 16, 8, True, True, False, False),
     "cols256_block_loops": (128, 256, 64, 3, 16, 8, True, False, True, False),
     "cols256_block_loops_evict": (128, 256, 64, 4, 16, 8, True, False, True, True),
-}
-
-# Weight-gradient strips that hold the wider operand (tile_gemm.held_rows_strip): (output
-# rows, output columns, rows held at most, stages, output row blocks per strip, warps,
-# operands by TMA). An expert with more rows than that runs the fused default's per-block
-# loops on the same output blocks.
-HELD_VARIANTS = {
-    "held128_cols256": (128, 256, 128, 2, 16, 8, True),
-    "held128_cols256_s3": (128, 256, 128, 3, 16, 8, True),
-    "held256_cols128": (128, 128, 256, 2, 16, 8, True),
-    "held256_cols128_pointers": (128, 128, 256, 2, 16, 8, False),
 }
 
 
@@ -203,52 +192,19 @@ def _wgrad_grid(a_ptr, b_ptr, out_ptr, row_start_ptr, counts_ptr, M_DIM, N_DIM, 
                         EVICT_FIRST=EVICT_FIRST)
 
 
-@triton.jit
-def _wgrad_held_grid(a_ptr, b_ptr, out_ptr, row_start_ptr, counts_ptr, M_DIM, N_DIM, n_n, n_ms,
-                     STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, K_PAD: tl.constexpr,
-                     STAGES: tl.constexpr, DOT_DTYPE: tl.constexpr, TMA: tl.constexpr):
-    """The same gradients as (expert, column block, strip of row blocks) tasks of
-    ``held_rows_strip``; experts with more than ``K_PAD`` rows (or none) run per-block loops
-    of 64-row steps on the same blocks."""
-    pid = tl.program_id(0)
-    e = pid // (n_n * n_ms)
-    nb = (pid // n_ms) % n_n
-    ms = pid % n_ms
-    r0 = tl.load(row_start_ptr + e).to(tl.int64)
-    n_rows = tl.load(counts_ptr + e)
-    aligned: tl.constexpr = True
-    a = a_ptr + r0 * M_DIM
-    b = b_ptr + r0 * N_DIM
-    out = out_ptr + e.to(tl.int64) * M_DIM * N_DIM
-    if (n_rows > 0) & (n_rows <= K_PAD):
-        held_rows_strip(a, b, out, n_rows, ms * STRIP, nb * BN, M_DIM, N_DIM, STRIP, BM, BN, K_PAD, DOT_DTYPE,
-                        STAGES, aligned, TMA, True)
-    else:
-        for mb in range(ms * STRIP, tl.minimum(ms * STRIP + STRIP, tl.cdiv(M_DIM, BM))):
-            row_reduction_strip(a, b, out, n_rows, mb * BM, nb, M_DIM, N_DIM, 1, BM, BN, 64, DOT_DTYPE, 3,
-                                aligned, TMA, False, True, EVICT_FIRST=True)
-
-
 def wgrad_launch(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, counts: torch.Tensor, variant: tuple,
-                 dot_dtype=tl.bfloat16, held: bool = False):
-    """A launcher of ``_wgrad_grid`` (``held``: ``_wgrad_held_grid``, a ``HELD_VARIANTS`` entry)
-    over expert-major rows ``a`` [R, M] and ``b`` [R, N] into ``out`` [E, M, N]."""
+                 dot_dtype=tl.bfloat16):
+    """A launcher of ``_wgrad_grid`` over expert-major rows ``a`` [R, M] and ``b`` [R, N] into ``out`` [E, M, N]."""
+    bm, bn, bk, stages, strip, warps, tma, tma_store, block_loops, evict = variant
     M, N = a.shape[1], b.shape[1]
+    n_m, n_s = triton.cdiv(M, bm), triton.cdiv(triton.cdiv(N, bn), strip)
     starts = (torch.cumsum(counts, 0) - counts).to(torch.int32)
     counts = counts.to(torch.int32)
-    if variant[6] and a.is_cuda:  # operands by TMA: descriptors made in the kernel need scratch
+    grid = (counts.numel() * n_m * n_s,)
+    if tma and a.is_cuda:
         from kosmos_moe.fused import ensure_triton_allocator
 
         ensure_triton_allocator()
-    if held:
-        bm, bn, k_pad, stages, strip, warps, tma = variant
-        n_n, n_ms = triton.cdiv(N, bn), triton.cdiv(triton.cdiv(M, bm), strip)
-        grid = (counts.numel() * n_n * n_ms,)
-        return lambda: _wgrad_held_grid[grid](a, b, out, starts, counts, M, N, n_n, n_ms, strip, bm, bn, k_pad,
-                                              stages, dot_dtype, tma, num_warps=warps)
-    bm, bn, bk, stages, strip, warps, tma, tma_store, block_loops, evict = variant
-    n_m, n_s = triton.cdiv(M, bm), triton.cdiv(triton.cdiv(N, bn), strip)
-    grid = (counts.numel() * n_m * n_s,)
     return lambda: _wgrad_grid[grid](a, b, out, starts, counts, M, N, n_m, n_s, strip, bm, bn, bk, stages, dot_dtype,
                                      tma, tma_store, block_loops, evict, num_warps=warps)
 
@@ -273,7 +229,7 @@ def report(name: str, label: str, res: dict) -> None:
           f"(max diff h {res['h_max_diff']:.3g}, y {res['y_max_diff']:.3g})", file=sys.stderr, flush=True)
 
 
-def run_wgrad(name: str, variants: dict, held_variants: dict | None = None) -> dict:
+def run_wgrad(name: str, variants: dict) -> dict:
     """TFLOP/s of both weight gradients of one shape per variant, and of ``torch._grouped_mm``."""
     H, I, E, T, K = SHAPES[name]
     torch.manual_seed(0)
@@ -292,13 +248,11 @@ def run_wgrad(name: str, variants: dict, held_variants: dict | None = None) -> d
         out[f"grouped_mm_{key}_tflops"] = flops / timed(lambda: torch._grouped_mm(a.t(), b, offs=offs)) / 1e12
     print(f"[{name}] weight gradients, {R} rows: grouped_mm d_gate_up {out['grouped_mm_d_gate_up_tflops']:.0f}, "
           f"d_down {out['grouped_mm_d_down_tflops']:.0f} TFLOP/s", file=sys.stderr, flush=True)
-    runs = [(label, v, False) for label, v in variants.items()]
-    runs += [(label, v, True) for label, v in (held_variants or {}).items()]
-    for label, variant, held in runs:
+    for label, variant in variants.items():
         res = {}
         for key, (a, b) in grads.items():
             got = torch.empty_like(refs[key])
-            launch = wgrad_launch(a, b, got, counts, variant, held=held)
+            launch = wgrad_launch(a, b, got, counts, variant)
             launch()
             torch.cuda.synchronize()
             res[f"{key}_tflops"] = 2 * R * a.shape[1] * b.shape[1] / timed(launch) / 1e12
@@ -388,15 +342,12 @@ def main() -> None:
     p.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--wgrad-variants", nargs="*", default=list(WGRAD_VARIANTS), choices=list(WGRAD_VARIANTS),
                    help="weight-gradient tile variants (none: skip the weight gradients)")
-    p.add_argument("--held-variants", nargs="*", default=[], choices=list(HELD_VARIANTS),
-                   help="weight-gradient strips holding the wider operand, timed after --wgrad-variants")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     require_cuda("gemm_tiles.py")
     results = [run_shape(s, {v: VARIANTS[v] for v in args.variants}) for s in args.shapes if args.variants]
-    wgrad = [run_wgrad(s, {v: WGRAD_VARIANTS[v] for v in args.wgrad_variants},
-                       {v: HELD_VARIANTS[v] for v in args.held_variants})
-             for s in args.shapes if args.wgrad_variants or args.held_variants]
+    wgrad = [run_wgrad(s, {v: WGRAD_VARIANTS[v] for v in args.wgrad_variants})
+             for s in args.shapes if args.wgrad_variants]
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shapes": results, "weight_gradients": wgrad}, f,

@@ -27,8 +27,7 @@
 #                    router-gradient tiles (the default until stop 35; most router work there)
 #   variants-wgrad   layer_backward.py --profile on the four EP=1 cases, the default (weight-
 #                    gradient blocks stored with an L2 evict-first policy since stop 42)
-#                    against the blocks without the hint and against strips that each start at
-#                    their own column block (wgrad_rotate, untimed at stop 42)
+#                    against the blocks without the hint
 #   variants-route   layer_forward.py on the four EP=1 cases, the default against route steps
 #                    128 deep and the route tiles' staging before stop 38
 #   variants-weights layer_forward.py on the four EP=1 cases, the default against ways to have
@@ -70,7 +69,7 @@ run_stage() {
                                router_grad64 wgrad_tma_store ;;
         variants-wgrad) python benchmarks/layer_backward.py --cases dsv3_full qwen3_full dsv3_rank qwen3_rank \
                             --profile --out "$out/variants_wgrad.json" \
-                            --variants default wgrad_keep_in_l2 wgrad_rotate ;;
+                            --variants default wgrad_keep_in_l2 ;;
         variants-route) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                             --out "$out/variants_route.json" --variants default route_depth128 route_stages2 ;;
         variants-weights) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \

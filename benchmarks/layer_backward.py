@@ -90,11 +90,6 @@ VARIANTS = {
     # The weight-gradient blocks stored without the L2 evict-first policy (the default until
     # stop 42).
     "wgrad_keep_in_l2": _backward_tiles(wgrad_evict_first=False),
-    # Each weight-gradient strip started at its own column block (BackwardTiles.wgrad_rotate).
-    "wgrad_rotate": _backward_tiles(wgrad_rotate=True),
-    # Experts of at most 128 rows reduce their weight gradients with the wider operand's block
-    # held (BackwardTiles.wgrad_held_rows): about half of them at 256 experts.
-    "wgrad_held128": _backward_tiles(wgrad_held_rows=128),
 }
 
 

@@ -77,7 +77,7 @@ from .signals import (
     ERR_COMBINE, ERR_DH_EXPERT, ERR_DH_TILE, ERR_DW, ERR_LAYOUT, ERR_ROWS,
     async_proxy_fence, peer_ptr, record_error, signal_add,
 )
-from .tile_gemm import column_halves, held_rows_strip, row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
+from .tile_gemm import column_halves, row_reduction_strip, rows_times_weight_tile, swiglu_backward_tile
 
 PROFILE_SLOTS = ("idle", "layout", "count_exchange", "dispatch", "swiglu_backward", "dx",
                  "route_backward", "fold", "weight_grad", "router_weight_grad",
@@ -240,7 +240,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False, WG_ROTATE: tl.constexpr = False, WG_HELD: tl.constexpr = 0,
+    WG_EVICT_FIRST: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -257,13 +257,10 @@ def expert_backward_kernel(
     N_HR: tl.constexpr = (H + BHR - 1) // BHR
     N_WR_M: tl.constexpr = (E + BRM - 1) // BRM
     N_WR_N: tl.constexpr = (H + BRN - 1) // BRN
-    # Strips of WS column blocks per task; with WG_HELD, of WS row blocks (held_rows_strip).
-    N_WGU_S: tl.constexpr = (N_WGU_N + WS - 1) // WS if WG_HELD == 0 else (N_WGU_M + WS - 1) // WS
-    N_WD_S: tl.constexpr = (N_WD_N + WS - 1) // WS if WG_HELD == 0 else (N_WD_M + WS - 1) // WS
-    N_WGU_B: tl.constexpr = N_WGU_M if WG_HELD == 0 else N_WGU_N   # the blocks a strip runs along
-    N_WD_B: tl.constexpr = N_WD_M if WG_HELD == 0 else N_WD_N
-    n_dwgu = E_L * N_WGU_B * N_WGU_S
-    n_dwd = E_L * N_WD_B * N_WD_S
+    N_WGU_S: tl.constexpr = (N_WGU_N + WS - 1) // WS   # strips of WS column blocks per task
+    N_WD_S: tl.constexpr = (N_WD_N + WS - 1) // WS
+    n_dwgu = E_L * N_WGU_M * N_WGU_S
+    n_dwd = E_L * N_WD_M * N_WD_S
     n_dwr = N_WR_M * N_WR_N
 
     ctl = peer_ptr(peers_ptr, me, 0, tl.int32)
@@ -592,7 +589,7 @@ def expert_backward_kernel(
                         q, open_q = claim(heads + Q_DWD, -1, n_dwd, open_q, OPEN_DWD)
                         kind = tl.where(q >= 0, 2, 0)
                 if kind > 0:
-                    per_e = tl.where(kind == 1, N_WGU_B * N_WGU_S, N_WD_B * N_WD_S)
+                    per_e = tl.where(kind == 1, N_WGU_M * N_WGU_S, N_WD_M * N_WD_S)
                     e = q // per_e
                     n_strips = tl.where(kind == 1, N_WGU_S, N_WD_S)
                     mb = (q % per_e) // n_strips
@@ -607,29 +604,14 @@ def expert_backward_kernel(
                         # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h] (kind 1) and
                         # dWd[h, i] = sum_rows g[row, h] (w h)[row, i] (kind 2), in one loop.
                         gu = kind == 1
-                        wa = tl.where(gu, dgu + r0 * (2 * I), recv_g + r0 * H)
-                        wb = tl.where(gu, recv_x + r0 * H, hw + r0 * I)
-                        wout = tl.where(gu, d_gate_up_ptr + e.to(tl.int64) * 2 * I * H,
-                                        d_down_ptr + e.to(tl.int64) * H * I)
-                        w_m = tl.where(gu, 2 * I, H)
-                        w_n = tl.where(gu, H, I)
-                        w_aligned: tl.constexpr = (H % 16 == 0) & (I % 16 == 0)
-                        if WG_HELD == 0:
-                            row_reduction_strip(wa, wb, wout, n_rows_e, mb * BWM, sb * WS, w_m, w_n,
-                                                WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, w_aligned,
-                                                WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS, PROFILE,
-                                                profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST,
-                                                mb if WG_ROTATE else None)
-                        elif (n_rows_e > 0) & (n_rows_e <= WG_HELD):
-                            # mb is the column block here, sb the strip of row blocks.
-                            held_rows_strip(wa, wb, wout, n_rows_e, sb * WS, mb * BWN, w_m, w_n, WS, BWM, BWN,
-                                            WG_HELD, DOT_DTYPE, 2, w_aligned, WG_TMA, WG_EVICT_FIRST)
-                        else:
-                            for rb in range(sb * WS, tl.minimum(sb * WS + WS, tl.cdiv(w_m, BWM))):
-                                row_reduction_strip(wa, wb, wout, n_rows_e, rb * BWM, mb, w_m, w_n,
-                                                    1, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, w_aligned,
-                                                    WG_TMA, WG_TMA_STORE, True, PROFILE,
-                                                    profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST)
+                        row_reduction_strip(tl.where(gu, dgu + r0 * (2 * I), recv_g + r0 * H),
+                                            tl.where(gu, recv_x + r0 * H, hw + r0 * I),
+                                            tl.where(gu, d_gate_up_ptr + e.to(tl.int64) * 2 * I * H,
+                                                     d_down_ptr + e.to(tl.int64) * H * I),
+                                            n_rows_e, mb * BWM, sb * WS, tl.where(gu, 2 * I, H), tl.where(gu, H, I),
+                                            WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, (H % 16 == 0) & (I % 16 == 0),
+                                            WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS, PROFILE,
+                                            profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST)
                         did = 8
                         q = -1
                         kind = 0

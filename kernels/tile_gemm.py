@@ -392,7 +392,7 @@ def row_reduction_strip(
     STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ALIGNED: tl.constexpr, TMA: tl.constexpr = False,
     TMA_STORE: tl.constexpr = False, BLOCK_LOOPS: tl.constexpr = False,
-    PROFILE: tl.constexpr = False, epilogue_ns=None, EVICT_FIRST: tl.constexpr = False, rotate=None,
+    PROFILE: tl.constexpr = False, epilogue_ns=None, EVICT_FIRST: tl.constexpr = False,
 ):
     """``out[m0:m0+BM, n-block] = a[:n_rows, m0:m0+BM]^T @ b[:n_rows, n-block]`` for ``STRIP``
     consecutive ``BN``-column blocks from ``blk0`` (fewer at the right edge).
@@ -434,11 +434,6 @@ def row_reduction_strip(
     ``EVICT_FIRST`` stores the blocks (by pointer) with an L2 evict-first policy, so that they
     push out less of what the next blocks read (descriptor stores take no cache hint).
 
-    ``rotate`` (with ``BLOCK_LOOPS``; non-negative, ``None`` for none) starts the strip at its
-    block ``rotate`` modulo its length and wraps around, so that tasks running together on
-    strips over the same ``b`` columns (the fused backward's row blocks of one expert) read
-    different ``b`` blocks at a time rather than all the same one.
-
     ``PROFILE`` (with ``BLOCK_LOOPS``) adds to ``*epilogue_ns`` each block's time from the end
     of its loop to its store's issue.
     """
@@ -471,8 +466,6 @@ def row_reduction_strip(
                                                    block_shape=[BM, BN])
         if BLOCK_LOOPS:
             for blk in range(blk0, blk0 + n_blocks):
-                if rotate is not None:
-                    blk = blk0 + (blk - blk0 + rotate) % n_blocks
                 acc = tl.zeros([BM, BN], dtype=tl.float32)
                 for s in tl.range(0, steps, num_stages=STAGES):
                     a_op, b_op = _strip_operands(a_ptr, b_ptr, a_desc, b_desc, n_rows, m0, mcols, m_ok, s, blk,
@@ -494,54 +487,3 @@ def row_reduction_strip(
                     _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN, TMA and TMA_STORE, EVICT_FIRST)
                     acc = tl.zeros([BM, BN], dtype=tl.float32)
 
-
-@triton.jit
-def held_rows_strip(
-    a_ptr, b_ptr, out_ptr, n_rows, mblk0, n0, M_DIM, N_DIM,
-    STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, K_PAD: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ALIGNED: tl.constexpr, TMA: tl.constexpr = False,
-    EVICT_FIRST: tl.constexpr = False,
-):
-    """``out[m-block, n0:n0+BN] = a[:n_rows, m-block]^T @ b[:n_rows, n0:n0+BN]`` for ``STRIP``
-    consecutive ``BM``-row blocks of ``out`` from ``mblk0`` (fewer at the bottom edge), for
-    ``0 < n_rows <= K_PAD``.
-
-    For reductions over few rows (an expert's rows at 128 or more experts), where
-    ``row_reduction_strip``'s blocks are one or two row steps each. Here ``b``'s block (the
-    wider operand, ``K_PAD x BN``) is read once per strip and held in shared memory; each
-    output block is one dot over every row, zero-padded to ``K_PAD``, so a block reads only
-    its ``K_PAD x BM`` block of ``a`` (a third of a 128 x 256 block's operand bytes). The loop
-    over blocks carries no accumulator, and its software pipeline has the next block's ``a``
-    in flight during this block's dot and store.
-
-    Operand layouts as in ``row_reduction_strip``; ``TMA`` reads both through descriptors over
-    exactly ``n_rows`` rows (the copy engine zero-fills the padding).
-    """
-    if ALIGNED:
-        M_DIM = tl.multiple_of(M_DIM, 16)
-        N_DIM = tl.multiple_of(N_DIM, 16)
-        a_ptr = tl.multiple_of(a_ptr, 16)
-        b_ptr = tl.multiple_of(b_ptr, 16)
-        out_ptr = tl.multiple_of(out_ptr, 16)
-    n_blocks = tl.minimum(tl.cdiv(M_DIM, BM) - mblk0, STRIP)
-    rows = tl.arange(0, K_PAD)
-    r64 = rows.to(tl.int64)[:, None]
-    row_ok = rows < n_rows
-    ncols = n0 + tl.arange(0, BN)
-    if TMA:
-        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, M_DIM], strides=[M_DIM, 1], block_shape=[K_PAD, BM])
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[n_rows, N_DIM], strides=[N_DIM, 1], block_shape=[K_PAD, BN])
-        b_op = b_desc.load([0, n0]).to(DOT_DTYPE)
-    else:
-        b_op = tl.load(b_ptr + r64 * N_DIM + ncols[None, :], mask=row_ok[:, None] & (ncols < N_DIM)[None, :],
-                       other=0.0).to(DOT_DTYPE)
-    for i in tl.range(0, n_blocks, num_stages=STAGES):
-        m0 = (mblk0 + i) * BM
-        mcols = m0 + tl.arange(0, BM)
-        m_ok = mcols < M_DIM
-        if TMA:
-            at = a_desc.load([0, m0])
-        else:
-            at = tl.load(a_ptr + r64 * M_DIM + mcols[None, :], mask=row_ok[:, None] & m_ok[None, :], other=0.0)
-        acc = tl.dot(tl.trans(at.to(DOT_DTYPE)), b_op)
-        _store_block(out_ptr, mcols, m_ok, ncols, N_DIM, acc, EVICT_FIRST)

@@ -36,16 +36,13 @@ def check_tile_sizes(tiles) -> None:
     """Raise ``ValueError`` naming every bad size of a tiles dataclass: pipeline depths, strip
     lengths and workers per SM (fields ending in ``stages``, ``strip`` or ``per_sm``) must be
     positive, every other size (block shapes, which index ``tl.arange``, and warps) a power of
-    two, where a ``held_rows`` field may also be 0 (off); Triton would otherwise fail deep inside
-    the compile of the whole kernel."""
+    two; Triton would otherwise fail deep inside the compile of the whole kernel."""
     bad = []
     for f in fields(tiles):
         v = getattr(tiles, f.name)
         if f.type not in (int, "int"):
             continue
         counts = f.name.endswith(("stages", "strip", "per_sm"))
-        if v == 0 and f.name.endswith("held_rows"):
-            continue
         if v < 1 or (not counts and v & (v - 1)):
             bad.append(f"{f.name}={v}")
     if bad:
@@ -337,23 +334,10 @@ class BackwardTiles:
     # experts they are 22.5 GB written once (DeepSeek-V3 at EP=1), likely pushing out of L2 the
     # rows the next blocks read. H100 80GB, stop 42, one run, forward+backward ms against no
     # hint (layer_backward.py variant wgrad_keep_in_l2): DeepSeek-V3 256 experts 36.60 / 37.90
-    # (weight gradients 13.40 / 14.22 ms busy per worker), Qwen3 128 experts 11.21 / 11.31; the
-    # experts with more rows were not timed with it.
+    # (weight gradients 13.40 / 14.22 ms busy per worker), Qwen3 128 experts 11.21 / 11.31.
+    # Stop 43, H100 80GB, one run each: DeepSeek-V3 256 experts 37.13 / 37.63, Qwen3 128 experts
+    # 11.30 / 11.25, DeepSeek-V3 32 experts 18.22 / 18.40, Qwen3 16 experts 7.47 / 7.47.
     wgrad_evict_first: bool = True
-    # Each weight-gradient strip starts at its block (row block mod strip length) and wraps
-    # around. Without it the row blocks of one expert, taken together, read the same column
-    # block of the rows at about the same time; whether that crowds the L2 slices holding it is
-    # a guess from stop 42's 4.3 us loops of two steps. Not yet timed on a GPU (`bash
-    # benchmarks/gpu_session.sh variants-wgrad`).
-    wgrad_rotate: bool = False
-    # With a power of two here (0: off), an expert with at most that many rows reduces its
-    # weight gradients in tile_gemm.held_rows_strip: a task is a column block and a strip of
-    # wgrad_strip row blocks, the column block of the wider operand read once and held in
-    # shared memory, each output block one dot over every row (zero-padded) whose loop keeps
-    # the next block's narrow operand in flight. Experts with more rows run per-block loops on
-    # the same tasks. At 256 experts (about 128 rows each) a per-block loop of two row steps
-    # takes about 4.3 us against 1.4 at the dense rate (stop 42). Not yet timed in the kernel.
-    wgrad_held_rows: int = 0
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -371,8 +355,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, WG_ROTATE=self.wgrad_rotate, WG_HELD=self.wgrad_held_rows,
-            num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
         )
 
 

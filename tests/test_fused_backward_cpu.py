@@ -301,16 +301,14 @@ def test_rehearsal_covers_the_fused_step():
     run_world(2, check_rehearsal_covers_the_step, [(case, "none") for case in CASES], env=INTERPRET)
 
 
-def check_gemm_operands(rank, world, items, tma, block_loops, held_rows=0):
+def check_gemm_operands(rank, world, items, tma, block_loops):
     import dataclasses
 
     from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
 
-    # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters; the
-    # per-block run also starts each strip at its own block.
+    # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters.
     tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma,
-                                wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16,
-                                wgrad_rotate=block_loops, wgrad_held_rows=held_rows)
+                                wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16)
     check_cases(rank, world, items, backward_tiles=tiles)
     _, fused = build(world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
@@ -319,19 +317,15 @@ def check_gemm_operands(rank, world, items, tma, block_loops, held_rows=0):
     assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is tma and consts["PROXY_FENCE"] is False
 
 
-@pytest.mark.parametrize("tma, block_loops, held_rows", [(False, False, 0), (True, True, 0), (True, True, 32)],
-                         ids=["pointer_operands_flat_strips", "tma_operands", "held_rows"])
-def test_backward_gemm_operands(tma, block_loops, held_rows):
+@pytest.mark.parametrize("tma, block_loops", [(False, False), (True, True)],
+                         ids=["pointer_operands_flat_strips", "tma_operands"])
+def test_backward_gemm_operands(tma, block_loops):
     """The backward's GEMM operands by pointer loads (pre-Hopper GPUs, unaligned widths) and by
     TMA (the default here: the interpreter emulates it); the one_rank skew leaves the first
     rank's experts without rows, whose weight gradients must be zeros. The pointer run also
     reduces each weight-gradient strip in one flat loop (wgrad_block_loops off) and runs the
-    SwiGLU-backward epilogue in column halves (swiglu_epilogue_cols), the defaults until stop 34;
-    the TMA run starts each weight-gradient strip at its own block (wgrad_rotate). The
-    held-rows run reduces experts of at most 32 rows in held_rows_strip (wgrad_held_rows) and
-    the others in per-block loops along strips of row blocks (each path fails the test when
-    it drops a block)."""
-    run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, block_loops, held_rows, env=INTERPRET)
+    SwiGLU-backward epilogue in column halves (swiglu_epilogue_cols), the defaults until stop 34."""
+    run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, block_loops, env=INTERPRET)
 
 
 def check_kept_rows(rank, world, items, save_gate_up, save_shared):

@@ -97,21 +97,15 @@ def check_weight_gradient_strips(rank, world, tma):
     M, N = 40, 72
     a, b = torch.randn(int(counts.sum()), M), torch.randn(int(counts.sum()), N)
     out = torch.full((3, M, N), float("nan"))
-    held = tma.startswith("held")
-    if held:
-        # Rows held up to 32: expert 2's 21 rows take the held strip (padded to 32), expert 0's
-        # 37 the per-block loops, on the same (column block, strip of two row blocks) tasks.
-        variant = (16, 16, 32, 1, 2, 1, tma == "held_tma")
-    else:
-        variant = (16, 16, 16, 1, 2, 1, tma != "pointers", tma == "tma_store", tma == "block_loops",
-                   tma == "block_loops")
-    g.wgrad_launch(a, b, out, counts, variant, tl.float32, held=held)()
+    variant = (16, 16, 16, 1, 2, 1, tma != "pointers", tma == "tma_store", tma == "block_loops",
+               tma == "block_loops")
+    g.wgrad_launch(a, b, out, counts, variant, tl.float32)()
     want = torch.stack([a[:37].T @ b[:37], torch.zeros(M, N), a[37:].T @ b[37:]])
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-4)
 
 
 # block_loops: TMA loads, each block its own pipelined loop instead of one flat loop, stored
-# with an evict-first hint; held_*: tile_gemm.held_rows_strip, by pointers and by TMA.
-@pytest.mark.parametrize("tma", ["pointers", "tma_loads", "tma_store", "block_loops", "held_pointers", "held_tma"])
+# with an evict-first hint.
+@pytest.mark.parametrize("tma", ["pointers", "tma_loads", "tma_store", "block_loops"])
 def test_weight_gradient_strips_match_torch(tma):
     run_world(1, check_weight_gradient_strips, tma, env=INTERPRET)
