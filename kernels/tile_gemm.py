@@ -278,6 +278,24 @@ def gate_up_pair_acc_tma(
 
 
 @triton.jit
+def gate_up_pair_acc_tma_rows(
+    a_desc, a_row0, w_desc, pair0, n0,
+    K_DIM: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
+):
+    """``gate_up_pair_acc_tma`` on contiguous rows ``a[a_row0 : a_row0 + BM]``, read by TMA too:
+    no operand copy of the loop is issued by the threads themselves. Rows past the tile's own
+    are read (the next expert's, or the descriptor's zero fill) and must be masked at the store."""
+    acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
+    for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
+        a = a_desc.load([a_row0, k0])
+        b = w_desc.load([pair0, n0, k0]).reshape([2 * BN, BK])
+        acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)
+    return column_halves(acc, BM, BN)  # [gate | up]
+
+
+@triton.jit
 def gate_up_tile_tma(
     a_rows, n_rows, g_desc, g_row0, u_desc, u_row0, h_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
