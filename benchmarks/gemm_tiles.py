@@ -33,8 +33,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kosmos_moe.kernels.tile_gemm import (
     down_tile, down_tile_tma, down_tile_tma_w, gate_up_pair_acc, gate_up_pair_acc_tma, gate_up_pair_acc_tma_rows,
-    gate_up_tile, gate_up_tile_tma,
-    gate_up_tile_tma_rows, row_reduction_strip, store_swiglu,
+    gate_up_tile, gate_up_tile_tma, gate_up_tile_tma_rows, row_reduction_strip, store_swiglu,
 )
 
 SHAPES = {
@@ -319,8 +318,9 @@ def run_shape(name: str, variants: dict) -> dict:
             rows_desc = TensorDescriptor.from_tensor(rows, [bm, bk])
             h_desc = TensorDescriptor.from_tensor(h_ref, [bm, bk])
         res = {}
-        # (gathered rows, contiguous rows by TMA): the last only for one-dot TMA tiles, the
-        # operands the fused kernel would have if its rows were copied expert-major first.
+        # (rows gathered, rows by TMA): gathered and contiguous rows by pointers, and for one-dot
+        # TMA tiles contiguous rows by TMA, the operands the fused kernel would have if its rows
+        # were copied expert-major first.
         modes = [(True, False), (False, False)] + ([(False, True)] if tma and one_dot else [])
         for gather, rows_tma in modes:
             if tma:

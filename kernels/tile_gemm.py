@@ -504,4 +504,3 @@ def row_reduction_strip(
                 if s == steps - 1:
                     _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN, TMA and TMA_STORE, EVICT_FIRST)
                     acc = tl.zeros([BM, BN], dtype=tl.float32)
-
