@@ -62,6 +62,9 @@ TILE_VARIANTS = {
     # 147,480 B below 128). Untimed (stop 38).
     "route_depth128": dataclasses.replace(GPU_TILES, route_depth=128),
     "gate_up_two_dots": dataclasses.replace(GPU_TILES, gate_up_one_dot=False),
+    # Every row copied expert-major, local ones too, and the routed gate/up tiles reading their
+    # rows by TMA (Tiles.rows_by_tma). Untimed (stop 43).
+    "rows_by_tma": dataclasses.replace(GPU_TILES, rows_by_tma=True),
     # The down tiles' 3 stages, the default until stop 41 (Tiles.down_stages has the figures).
     "down_stages3": dataclasses.replace(GPU_TILES, down_stages=3),
     # Two workers of one warpgroup per SM (Tiles.workers_per_sm), each tile a warpgroup's:

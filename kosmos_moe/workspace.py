@@ -114,6 +114,15 @@ class Tiles:
     # busy per worker 3.18 -> 2.79 ms and the forward 5.72 -> 5.45 ms (DeepSeek-V3 rank view),
     # 1.29 -> 1.14 and 2.26 -> 2.15 ms (Qwen3 rank view).
     gate_up_one_dot: bool = True
+    # With weights by TMA and one-dot gate/up tiles: every routed row, this rank's own
+    # included, is copied expert-major into the receive buffer by the dispatch (at EP=1 about
+    # 470 MB of rows at DeepSeek-V3's shape), and the routed gate/up tiles read their rows by
+    # TMA too (tile_gemm.gate_up_pair_acc_tma_rows), after an async-proxy fence. Their loop then
+    # issues no row copies of its own between CTA barriers, the waits stop 39 found in it.
+    # Against it: the backward's dx and SwiGLU-backward tiles were slower with rows by TMA on
+    # the H200 (BackwardTiles.tile_tma). Not yet timed (benchmarks/gpu_session.sh tiles-rows
+    # times the tiles on their own; layer_forward.py variant rows_by_tma).
+    rows_by_tma: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)

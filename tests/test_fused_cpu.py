@@ -17,10 +17,10 @@ from kosmos_moe.workspace import INTERPRETER_TILES, BackwardTiles
 from multiprocess import INTERPRET, run_world
 
 
-def check_case(rank, world, case, skew):
+def check_case(rank, world, case, skew, **fused_options):
     spec = CASES[case]
     counts = spec["counts"][:world]
-    full, fused = build(world, case, skew, max_tokens=max(counts) + 3)
+    full, fused = build(world, case, skew, max_tokens=max(counts) + 3, **fused_options)
     hidden = spec["shape"]["hidden_size"]
     # Two calls with different batches: the second runs on the next epoch and parity, and
     # on the counters the first call's last worker reset.
@@ -60,6 +60,20 @@ def test_fused_skewed_routing(world):
     if world > 1:
         items += [("sigmoid_group_shared", "one_rank"), ("softmax_shared", "one_rank")]
     run_world(world, check_cases, items, env=INTERPRET)
+
+
+def check_rows_by_tma(rank, world, items):
+    for case, skew in items:
+        check_case(rank, world, case, skew, tiles=replace(INTERPRETER_TILES, rows_by_tma=True))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_rows_by_tma(world):
+    """Tiles.rows_by_tma: every row copied expert-major, this rank's too, and the routed gate/up
+    tiles reading their rows by TMA; a tile's rows past its expert's end read the next expert's
+    rows or the descriptor's zero fill, which the store must leave out."""
+    run_world(world, check_rows_by_tma, [("softmax_shared", "none"), ("sigmoid_group", "one_expert")],
+              env=INTERPRET)
 
 
 def check_weight_changes(rank, world):
