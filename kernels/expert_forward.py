@@ -113,7 +113,7 @@ from .signals import (
     async_proxy_fence, peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import (
-    down_tile, down_tile_tma_w, gate_up_acc, gate_up_acc_tma, gate_up_pair_acc, gate_up_pair_acc_tma,
+    down_tile, down_tile_tma, down_tile_tma_w, gate_up_acc, gate_up_acc_tma, gate_up_pair_acc, gate_up_pair_acc_tma,
     gate_up_pair_acc_tma_rows, store_gate_up, store_swiglu,
 )
 
@@ -217,17 +217,23 @@ def routed_gate_up_rows(
 
 @triton.jit
 def routed_down_rows(
-    h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
+    h_r, h_desc, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr, W: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr, B_COMB: tl.constexpr,
     ROWS: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
+    TMA: tl.constexpr, ROWS_TMA: tl.constexpr, PROXY_FENCE: tl.constexpr, SCOPE: tl.constexpr,
+    PROFILE: tl.constexpr, profile_ptr,
 ):
     """A routed down tile: ``n_rows <= ROWS`` rows of ``h`` from ``row0`` (local expert ``e``),
     column block ``hb``; each row scaled by its routing weight and stored straight into its source
-    rank's combine buffer (the combine is fused into the GEMM), then the source is signalled."""
+    rank's combine buffer (the combine is fused into the GEMM), then the source is signalled.
+    With ``ROWS_TMA`` (and ``TMA``) the rows of ``h`` come through ``h_desc`` too."""
     DT = h_r.dtype.element_ty
-    if TMA:
+    if ROWS_TMA:
+        if PROXY_FENCE:
+            async_proxy_fence()  # the gate/up tiles stored h through the generic proxy, in this launch
+        acc = down_tile_tma(h_desc, row0, w_down_desc, e * H, hb * BN_DN, I, BK, ROWS, BN_DN, DOT_DTYPE, STAGES)
+    elif TMA:
         acc = down_tile_tma_w(h_r + row0.to(tl.int64) * I, n_rows, w_down_desc, e * H, hb * BN_DN,
                               I, ROWS, BN_DN, BK, DOT_DTYPE, STAGES)
     else:
@@ -283,6 +289,7 @@ def expert_forward_kernel(
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr,
     ROWS_TMA: tl.constexpr = False, RECV_ROWS: tl.constexpr = 0, PROXY_FENCE: tl.constexpr = False,
+    DN_ROWS_TMA: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + (1 if I_S > 0 else 0)
@@ -305,6 +312,11 @@ def expert_forward_kernel(
         recv_desc = tl.make_tensor_descriptor(tl.multiple_of(recv_x, 16), shape=[RECV_ROWS, H], strides=[H, 1],
                                               block_shape=[BM, BK])
     h_r = peer_ptr(peers_ptr, me, B_H_R, DT)
+    h_desc = h_r
+    if DN_ROWS_TMA:
+        # h is stored expert-major by the gate/up tiles: a down tile's rows are one block of it.
+        h_desc = tl.make_tensor_descriptor(tl.multiple_of(h_r, 16), shape=[RECV_ROWS, I], strides=[I, 1],
+                                           block_shape=[BM, BK])
     h_s = peer_ptr(peers_ptr, me, B_H_S, DT)
     comb = peer_ptr(peers_ptr, me, B_COMB, DT)
 
@@ -386,9 +398,10 @@ def expert_forward_kernel(
                     nxt = take_ticket(heads + Q_DOWN, open_q, OPEN_DOWN)
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
-                                     H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
-                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr)
+                    routed_down_rows(h_r, h_desc, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl,
+                                     peers_ptr, me, H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR,
+                                     B_COMB, BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, DN_ROWS_TMA, PROXY_FENCE, SCOPE,
+                                     PROFILE, profile_ptr)
                     q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q

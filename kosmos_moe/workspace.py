@@ -123,6 +123,10 @@ class Tiles:
     # the H200 (BackwardTiles.tile_tma). Not yet timed (benchmarks/gpu_session.sh tiles-rows
     # times the tiles on their own; layer_forward.py variant rows_by_tma).
     rows_by_tma: bool = False
+    # With weights by TMA: the routed down tiles read their rows of h by TMA too, after an
+    # async-proxy fence. Those rows are expert-major already (the gate/up tiles store them so),
+    # so no copy is added. Not yet timed (layer_forward.py variant down_rows_by_tma).
+    down_rows_by_tma: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)

@@ -62,17 +62,19 @@ def test_fused_skewed_routing(world):
     run_world(world, check_cases, items, env=INTERPRET)
 
 
-def check_rows_by_tma(rank, world, items):
+def check_rows_by_tma(rank, world, items, which):
     for case, skew in items:
-        check_case(rank, world, case, skew, tiles=replace(INTERPRETER_TILES, rows_by_tma=True))
+        check_case(rank, world, case, skew, tiles=replace(INTERPRETER_TILES, **{which: True}))
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_rows_by_tma(world):
+@pytest.mark.parametrize("which", ["rows_by_tma", "down_rows_by_tma"])
+def test_rows_by_tma(world, which):
     """Tiles.rows_by_tma: every row copied expert-major, this rank's too, and the routed gate/up
-    tiles reading their rows by TMA; a tile's rows past its expert's end read the next expert's
-    rows or the descriptor's zero fill, which the store must leave out."""
-    run_world(world, check_rows_by_tma, [("softmax_shared", "none"), ("sigmoid_group", "one_expert")],
+    tiles reading their rows by TMA; Tiles.down_rows_by_tma: the down tiles reading their rows
+    of h by TMA. A tile's rows past its expert's end read the next expert's rows or the
+    descriptor's zero fill, which the store must leave out."""
+    run_world(world, check_rows_by_tma, [("softmax_shared", "none"), ("sigmoid_group", "one_expert")], which,
               env=INTERPRET)
 
 
