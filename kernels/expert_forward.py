@@ -22,8 +22,9 @@ GATE_UP   routed ``h = silu(x Wg^T) * (x Wu^T)`` for (local expert, I-block, row
           Ready when every source rank has delivered its rows of that expert. Rows from this
           rank are not copied: dispatch sends only their metadata and the tile reads them
           from the input in place (with ``Tiles.rows_by_tma`` they are copied too, and the
-          tile reads its block of received rows by TMA). A training call also keeps the gate and up projections
-          for the backward (``routed_gate_up_rows``), which then needs no GEMM to redo them.
+          tile reads its block of received rows by TMA). A training call also keeps the
+          gate and up projections for the backward (``routed_gate_up_rows``), which then
+          needs no GEMM to redo them.
 FEED      route tiles, then the count exchange, then dispatch chunks (what everything else
           waits for); route tiles and the count exchange run when taken, a dispatch chunk
           once every rank's counts are in:
@@ -48,7 +49,8 @@ through tensor descriptors: the copy engine fills shared memory without the work
 arithmetic (H200, DeepSeek-V3 one-rank view: in-kernel GEMM 528 -> 608 TFLOP/s). Rows
 (received, local or activations) stay plain loads: they are written in this launch, and plain
 loads need no fence between the writers' generic proxy and the copy engine's. (With
-``Tiles.rows_by_tma``, off, the routed gate/up rows come by TMA after ``async_proxy_fence``.)
+``Tiles.rows_by_tma`` or ``Tiles.down_rows_by_tma``, both off, the routed gate/up rows or the
+down tiles' rows of ``h`` come by TMA, after ``async_proxy_fence``.)
 
 Claiming: tickets
 -----------------
