@@ -118,14 +118,18 @@ class Tiles:
     # included, is copied expert-major into the receive buffer by the dispatch (at EP=1 about
     # 470 MB of rows at DeepSeek-V3's shape), and the routed gate/up tiles read their rows by
     # TMA too (tile_gemm.gate_up_pair_acc_tma_rows), after an async-proxy fence. Their loop then
-    # issues no row copies of its own between CTA barriers, the waits stop 39 found in it.
+    # issues no row copies of its own (stop 39 found its waits there). Offline sm_90 SASS at
+    # DeepSeek-V3 32 experts: 92 instructions a step against 123, without the 4 per-thread
+    # copies (LDGSTS) and their wait, but with 4 CTA barriers against 3 (Triton puts one
+    # before each TMA issue).
     # Against it: the backward's dx and SwiGLU-backward tiles were slower with rows by TMA on
     # the H200 (BackwardTiles.tile_tma). Not yet timed (benchmarks/gpu_session.sh tiles-rows
     # times the tiles on their own; layer_forward.py variant rows_by_tma).
     rows_by_tma: bool = False
     # With weights by TMA: the routed down tiles read their rows of h by TMA too, after an
     # async-proxy fence. Those rows are expert-major already (the gate/up tiles store them so),
-    # so no copy is added. Not yet timed (layer_forward.py variant down_rows_by_tma).
+    # so no copy is added. Offline sm_90 SASS at DeepSeek-V3 32 experts: 93 instructions a step
+    # against 114. Not yet timed (layer_forward.py variant down_rows_by_tma).
     down_rows_by_tma: bool = False
 
     def __post_init__(self) -> None:
