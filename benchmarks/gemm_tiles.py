@@ -32,8 +32,8 @@ from layer_forward import timed
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kosmos_moe.kernels.tile_gemm import (
-    down_tile, down_tile_tma, down_tile_tma_w, gate_up_pair_acc, gate_up_pair_acc_tma, gate_up_pair_acc_tma_rows,
-    gate_up_tile, gate_up_tile_tma, gate_up_tile_tma_rows, row_reduction_strip, store_swiglu,
+    down_tile, down_tile_tma, down_tile_tma_w, gate_up_pair_acc, gate_up_pair_acc_tma, gate_up_tile, gate_up_tile_tma,
+    gate_up_tile_tma_rows, row_reduction_strip, store_swiglu,
 )
 
 SHAPES = {
@@ -147,8 +147,9 @@ def _gate_up_grid_tma(x_ptr, x_desc, token_of_row_ptr, tile_row0_ptr, tile_rows_
     ib, row0, n_rows, e = _task(tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles)
     h_rows = h_ptr + row0.to(tl.int64) * I
     if ONE_DOT and ROWS_TMA:
-        acc_g, acc_u = gate_up_pair_acc_tma_rows(x_desc, row0, w_desc, 2 * e, ib * BN, H, BM, BN, BK, DOT_DTYPE,
-                                                 STAGES)
+        rows = row0 + tl.arange(0, BM)
+        acc_g, acc_u = gate_up_pair_acc_tma(x_ptr + rows.to(tl.int64) * H, n_rows, w_desc, 2 * e, ib * BN, H, BM, BN,
+                                            BK, DOT_DTYPE, STAGES, x_desc, row0)
         store_swiglu(acc_g, acc_u, h_rows, tl.arange(0, BM), ib * BN + tl.arange(0, BN), tl.arange(0, BM) < n_rows, I)
     elif ONE_DOT:
         rows = row0 + tl.arange(0, BM)

@@ -116,7 +116,7 @@ from .signals import (
 )
 from .tile_gemm import (
     down_tile, down_tile_tma, down_tile_tma_w, gate_up_acc, gate_up_acc_tma, gate_up_pair_acc, gate_up_pair_acc_tma,
-    gate_up_pair_acc_tma_rows, store_gate_up, store_swiglu,
+    store_gate_up, store_swiglu,
 )
 
 # With PROFILE, every pass of a worker adds its nanoseconds to int64 slot ``kind`` of
@@ -192,8 +192,8 @@ def routed_gate_up_rows(
     if ROWS_TMA:
         if PROXY_FENCE:
             async_proxy_fence()  # the rows were stored through the generic proxy, in this launch
-        acc_g, acc_u = gate_up_pair_acc_tma_rows(recv_desc, row0, w_gate_up_desc, 2 * e, ib * BN_GU, H, ROWS, BN_GU,
-                                                 BK, DOT_DTYPE, STAGES)
+        acc_g, acc_u = gate_up_pair_acc_tma(a_rows, n_rows, w_gate_up_desc, 2 * e, ib * BN_GU, H, ROWS, BN_GU, BK,
+                                            DOT_DTYPE, STAGES, recv_desc, row0)
     elif ONE_DOT:  # gate and up blocks side by side in one dot (Tiles.gate_up_one_dot)
         if TMA:
             acc_g, acc_u = gate_up_pair_acc_tma(a_rows, n_rows, w_gate_up_desc, 2 * e, ib * BN_GU, H, ROWS, BN_GU, BK,

@@ -117,7 +117,7 @@ class Tiles:
     # With weights by TMA and one-dot gate/up tiles: every routed row, this rank's own
     # included, is copied expert-major into the receive buffer by the dispatch (at EP=1 about
     # 470 MB of rows at DeepSeek-V3's shape), and the routed gate/up tiles read their rows by
-    # TMA too (tile_gemm.gate_up_pair_acc_tma_rows), after an async-proxy fence. Their loop then
+    # TMA too (tile_gemm.gate_up_pair_acc_tma with a_desc), after an async-proxy fence. Their loop then
     # issues no row copies of its own (stop 39 found its waits there). Offline sm_90 SASS at
     # DeepSeek-V3 32 experts: 92 instructions a step against 123, without the 4 per-thread
     # copies (LDGSTS) and their wait, but with 4 CTA barriers against 3 (Triton puts one
