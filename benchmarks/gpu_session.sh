@@ -42,7 +42,7 @@
 #                    layer_forward.py on the four cases and the emulated 8 ranks (where 7 of 8
 #                    rows are received anyway), the default against every row copied and read
 #                    by TMA (Tiles.rows_by_tma) and against the down tiles' rows of h by TMA
-#                    (Tiles.down_rows_by_tma; all untimed at stop 43)
+#                    (Tiles.down_rows_by_tma), and against both (all untimed at stop 43)
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
 #                    device call returns at most eight files; the profiles write five each)
@@ -86,9 +86,9 @@ run_stage() {
         tiles-rows) python benchmarks/gemm_tiles.py --shapes dsv3_rank qwen3_rank dsv3_full qwen3_full \
                         --variants one_dot tma_one_dot --wgrad-variants --out "$out/tiles_rows.json" && \
                     python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                        --out "$out/rows_by_tma.json" --variants default rows_by_tma down_rows_by_tma && \
+                        --out "$out/rows_by_tma.json" --variants default rows_by_tma down_rows_by_tma all_rows_by_tma && \
                     python benchmarks/layer_forward.py --cases dsv3_emulated8 --out "$out/rows_by_tma_emulated8.json" \
-                        --variants default rows_by_tma down_rows_by_tma ;;
+                        --variants default rows_by_tma down_rows_by_tma all_rows_by_tma ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; first=$?; \

@@ -67,6 +67,8 @@ TILE_VARIANTS = {
     "rows_by_tma": dataclasses.replace(GPU_TILES, rows_by_tma=True),
     # The down tiles' rows of h by TMA (Tiles.down_rows_by_tma; no copy added). Untimed (stop 43).
     "down_rows_by_tma": dataclasses.replace(GPU_TILES, down_rows_by_tma=True),
+    # Both of the above.
+    "all_rows_by_tma": dataclasses.replace(GPU_TILES, rows_by_tma=True, down_rows_by_tma=True),
     # The down tiles' 3 stages, the default until stop 41 (Tiles.down_stages has the figures).
     "down_stages3": dataclasses.replace(GPU_TILES, down_stages=3),
     # Two workers of one warpgroup per SM (Tiles.workers_per_sm), each tile a warpgroup's:
