@@ -140,18 +140,12 @@ def _down_grid(h_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles, w_
 def _gate_up_grid_tma(x_ptr, x_desc, token_of_row_ptr, tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles,
                       w_desc, h_ptr, H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                       BK: tl.constexpr, STAGES: tl.constexpr, GATHER: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      ONE_DOT: tl.constexpr = False, ROWS_TMA: tl.constexpr = False):
+                      ONE_DOT: tl.constexpr = False):
     """With ``ONE_DOT``, ``w_desc`` is ``[2 E, I, H]`` with block ``[2, BN, BK]`` and the rows are
-    read by pointers, gathered or not, as in the fused kernel; with ``ROWS_TMA`` too (not
-    gathered), the contiguous rows come through ``x_desc``."""
+    read by pointers, gathered or not, as in the fused kernel."""
     ib, row0, n_rows, e = _task(tile_row0_ptr, tile_rows_ptr, tile_expert_ptr, n_tiles)
     h_rows = h_ptr + row0.to(tl.int64) * I
-    if ONE_DOT and ROWS_TMA:
-        rows = row0 + tl.arange(0, BM)
-        acc_g, acc_u = gate_up_pair_acc_tma(x_ptr + rows.to(tl.int64) * H, n_rows, w_desc, 2 * e, ib * BN, H, BM, BN,
-                                            BK, DOT_DTYPE, STAGES, x_desc, row0)
-        store_swiglu(acc_g, acc_u, h_rows, tl.arange(0, BM), ib * BN + tl.arange(0, BN), tl.arange(0, BM) < n_rows, I)
-    elif ONE_DOT:
+    if ONE_DOT:
         rows = row0 + tl.arange(0, BM)
         if GATHER:
             rows = tl.load(token_of_row_ptr + rows, mask=tl.arange(0, BM) < n_rows, other=0)
@@ -230,9 +224,7 @@ def tiles_of(counts: torch.Tensor, bm: int) -> tuple[torch.Tensor, torch.Tensor,
 
 def report(name: str, label: str, res: dict) -> None:
     print(f"[{name}/{label}] gate/up gather {res['gate_up_gather']:.0f}, contiguous "
-          f"{res['gate_up_contiguous']:.0f}"
-          + (f" (rows by TMA {res['gate_up_rows_tma']:.0f})" if "gate_up_rows_tma" in res else "")
-          + f", down {res['down']:.0f}"
+          f"{res['gate_up_contiguous']:.0f}, down {res['down']:.0f}"
           + (f" (rows by TMA {res['down_rows_tma']:.0f})" if "down_rows_tma" in res else "") + " TFLOP/s "
           f"(max diff h {res['h_max_diff']:.3g}, y {res['y_max_diff']:.3g})", file=sys.stderr, flush=True)
 
@@ -319,21 +311,17 @@ def run_shape(name: str, variants: dict) -> dict:
             rows_desc = TensorDescriptor.from_tensor(rows, [bm, bk])
             h_desc = TensorDescriptor.from_tensor(h_ref, [bm, bk])
         res = {}
-        # (rows gathered, rows by TMA): gathered and contiguous rows by pointers, and for one-dot
-        # TMA tiles contiguous rows by TMA, the operands the fused kernel would have if its rows
-        # were copied expert-major first.
-        modes = [(True, False), (False, False)] + ([(False, True)] if tma and one_dot else [])
-        for gather, rows_tma in modes:
+        for gather in (True, False):
             if tma:
                 launch = lambda: _gate_up_grid_tma[gu_grid](  # noqa: E731
                     x if gather or not one_dot else rows, rows_desc, token_of_row, row0, n_rows, ex, nt, w_gu_desc, h,
-                    H, I, bm, bn_gu, bk, stages, gather, tl.bfloat16, one_dot, rows_tma, num_warps=warps)
+                    H, I, bm, bn_gu, bk, stages, gather, tl.bfloat16, one_dot, num_warps=warps)
             else:
                 launch = lambda: _gate_up_grid[gu_grid](  # noqa: E731
                     x if gather else rows, token_of_row, row0, n_rows, ex, nt, w_gate_up, h, H, I, bm, bn_gu, bk,
                     stages, gather, tl.bfloat16, one_dot, num_warps=warps)
-            key = "gate_up_gather" if gather else "gate_up_rows_tma" if rows_tma else "gate_up_contiguous"
-            res[key], res["h_max_diff"] = measure(launch, flops_gu, h, h_ref)
+            res["gate_up_gather" if gather else "gate_up_contiguous"], res["h_max_diff"] = measure(
+                launch, flops_gu, h, h_ref)
         for rows_by_tma in ((False, True) if tma else (False,)):
             if tma:
                 launch = lambda: _down_grid_tma[dn_grid](  # noqa: E731

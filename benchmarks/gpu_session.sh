@@ -36,13 +36,6 @@
 #                    as for the down tiles (stages4), or the down tiles' 3 before stop 41
 #                    (down_stages3)
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
-#   tiles-rows       gemm_tiles.py, the forward's one-dot gate/up tiles only, at the shapes of
-#                    the four EP=1 cases: rows gathered in place and contiguous by pointers
-#                    (as the fused forward reads them), against contiguous rows by TMA; then
-#                    layer_forward.py on the four cases and the emulated 8 ranks (where 7 of 8
-#                    rows are received anyway), the default against every row copied and read
-#                    by TMA (Tiles.rows_by_tma) and against the down tiles' rows of h by TMA
-#                    (Tiles.down_rows_by_tma), and against both (all untimed at stop 43)
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
 #                    device call returns at most eight files; the profiles write five each)
@@ -83,12 +76,6 @@ run_stage() {
                               --out "$out/variants_weights.json" \
                               --variants default stages4 down_stages3 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
-        tiles-rows) python benchmarks/gemm_tiles.py --shapes dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                        --variants one_dot tma_one_dot --wgrad-variants --out "$out/tiles_rows.json" && \
-                    python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                        --out "$out/rows_by_tma.json" --variants default rows_by_tma down_rows_by_tma all_rows_by_tma && \
-                    python benchmarks/layer_forward.py --cases dsv3_emulated8 --out "$out/rows_by_tma_emulated8.json" \
-                        --variants default rows_by_tma down_rows_by_tma all_rows_by_tma ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; first=$?; \

@@ -21,10 +21,8 @@ SDOWN     the shared expert's down projection, same shape, into the local combin
 GATE_UP   routed ``h = silu(x Wg^T) * (x Wu^T)`` for (local expert, I-block, row tile).
           Ready when every source rank has delivered its rows of that expert. Rows from this
           rank are not copied: dispatch sends only their metadata and the tile reads them
-          from the input in place (with ``Tiles.rows_by_tma`` they are copied too, and the
-          tile reads its block of received rows by TMA). A training call also keeps the
-          gate and up projections for the backward (``routed_gate_up_rows``), which then
-          needs no GEMM to redo them.
+          from the input in place. A training call also keeps the gate and up projections
+          for the backward (``routed_gate_up_rows``), which then needs no GEMM to redo them.
 FEED      route tiles, then the count exchange, then dispatch chunks (what everything else
           waits for); route tiles and the count exchange run when taken, a dispatch chunk
           once every rank's counts are in:
@@ -48,9 +46,7 @@ With ``TMA`` (Hopper and later, 16-byte row strides) the weight blocks of the GE
 through tensor descriptors: the copy engine fills shared memory without the workers' address
 arithmetic (H200, DeepSeek-V3 one-rank view: in-kernel GEMM 528 -> 608 TFLOP/s). Rows
 (received, local or activations) stay plain loads: they are written in this launch, and plain
-loads need no fence between the writers' generic proxy and the copy engine's. (With
-``Tiles.rows_by_tma`` or ``Tiles.down_rows_by_tma``, both off, the routed gate/up rows or the
-down tiles' rows of ``h`` come by TMA, after ``async_proxy_fence``.)
+loads need no fence between the writers' generic proxy and the copy engine's.
 
 Claiming: tickets
 -----------------
@@ -112,11 +108,11 @@ from .queues import (
 from .route import router_logits, top_k_routing
 from .signals import (
     ERR_COMBINE, ERR_GATE_UP, ERR_ROUTE, ERR_ROWS, ERR_SHARED,
-    async_proxy_fence, peer_ptr, record_error, signal_add,
+    peer_ptr, record_error, signal_add,
 )
 from .tile_gemm import (
-    down_tile, down_tile_tma, down_tile_tma_w, gate_up_acc, gate_up_acc_tma, gate_up_pair_acc, gate_up_pair_acc_tma,
-    store_gate_up, store_swiglu,
+    down_tile, down_tile_tma_w, gate_up_acc, gate_up_acc_tma, gate_up_pair_acc, gate_up_pair_acc_tma, store_gate_up,
+    store_swiglu,
 )
 
 # With PROFILE, every pass of a worker adds its nanoseconds to int64 slot ``kind`` of
@@ -160,17 +156,14 @@ C_FIXED = tl.constexpr(32)
 
 @triton.jit
 def routed_gate_up_rows(
-    x_ptr, recv_x, recv_desc, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc, h_r, saved_ptr, slot_ptr,
-    save_cap, H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, T_MAX: tl.constexpr,
+    x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc, h_r, saved_ptr, slot_ptr, save_cap,
+    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, T_MAX: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr,
     ROWS: tl.constexpr, BN_GU: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, ONE_DOT: tl.constexpr, ROWS_TMA: tl.constexpr,
-    PROXY_FENCE: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, ONE_DOT: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
 ):
     """A routed gate/up tile: ``n_rows <= ROWS`` received rows from ``row0`` of local expert ``e``,
-    column block ``ib``, into ``h``. Rows from this rank were never copied: they are read in place,
-    unless ``ROWS_TMA`` (with ``TMA`` and ``ONE_DOT``), where every row was copied into the
-    receive buffer and the tile reads its block of rows through ``recv_desc``.
+    column block ``ib``, into ``h``. Rows from this rank were never copied: they are read in place.
 
     For a training call (``save_cap > 0``) the tile also keeps the gate and up projections of
     received rows below ``save_cap`` for the backward (``saved_ptr``, ``2 I`` wide), and the
@@ -189,12 +182,7 @@ def routed_gate_up_rows(
         # of the tile waits for them (benchmarks/kernel_resources.py reports the loop).
         a_rows = tl.multiple_of(a_rows, 16)
     w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-    if ROWS_TMA:
-        if PROXY_FENCE:
-            async_proxy_fence()  # the rows were stored through the generic proxy, in this launch
-        acc_g, acc_u = gate_up_pair_acc_tma(a_rows, n_rows, w_gate_up_desc, 2 * e, ib * BN_GU, H, ROWS, BN_GU, BK,
-                                            DOT_DTYPE, STAGES, recv_desc, row0)
-    elif ONE_DOT:  # gate and up blocks side by side in one dot (Tiles.gate_up_one_dot)
+    if ONE_DOT:  # gate and up blocks side by side in one dot (Tiles.gate_up_one_dot)
         if TMA:
             acc_g, acc_u = gate_up_pair_acc_tma(a_rows, n_rows, w_gate_up_desc, 2 * e, ib * BN_GU, H, ROWS, BN_GU, BK,
                                                 DOT_DTYPE, STAGES)
@@ -219,23 +207,17 @@ def routed_gate_up_rows(
 
 @triton.jit
 def routed_down_rows(
-    h_r, h_desc, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
+    h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr, W: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr, B_COMB: tl.constexpr,
     ROWS: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_TMA: tl.constexpr, PROXY_FENCE: tl.constexpr, SCOPE: tl.constexpr,
-    PROFILE: tl.constexpr, profile_ptr,
+    TMA: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
 ):
     """A routed down tile: ``n_rows <= ROWS`` rows of ``h`` from ``row0`` (local expert ``e``),
     column block ``hb``; each row scaled by its routing weight and stored straight into its source
-    rank's combine buffer (the combine is fused into the GEMM), then the source is signalled.
-    With ``ROWS_TMA`` (and ``TMA``) the rows of ``h`` come through ``h_desc`` too."""
+    rank's combine buffer (the combine is fused into the GEMM), then the source is signalled."""
     DT = h_r.dtype.element_ty
-    if ROWS_TMA:
-        if PROXY_FENCE:
-            async_proxy_fence()  # the gate/up tiles stored h through the generic proxy, in this launch
-        acc = down_tile_tma(h_desc, row0, w_down_desc, e * H, hb * BN_DN, I, BK, ROWS, BN_DN, DOT_DTYPE, STAGES)
-    elif TMA:
+    if TMA:
         acc = down_tile_tma_w(h_r + row0.to(tl.int64) * I, n_rows, w_down_desc, e * H, hb * BN_DN,
                               I, ROWS, BN_DN, BK, DOT_DTYPE, STAGES)
     else:
@@ -290,8 +272,6 @@ def expert_forward_kernel(
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr,
-    ROWS_TMA: tl.constexpr = False, RECV_ROWS: tl.constexpr = 0, PROXY_FENCE: tl.constexpr = False,
-    DN_ROWS_TMA: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + (1 if I_S > 0 else 0)
@@ -307,18 +287,7 @@ def expert_forward_kernel(
     topk_w = peer_ptr(peers_ptr, me, B_TOPK_W, tl.float32)
     recv_w = peer_ptr(peers_ptr, me, B_RECV_W, tl.float32)
     recv_x = peer_ptr(peers_ptr, me, B_RECV_X, DT)
-    recv_desc = recv_x
-    if ROWS_TMA:
-        # Every row is copied expert-major, local ones too (the dispatch's COPY_LOCAL), so a row
-        # tile is one block of the receive buffer for the copy engine.
-        recv_desc = tl.make_tensor_descriptor(tl.multiple_of(recv_x, 16), shape=[RECV_ROWS, H], strides=[H, 1],
-                                              block_shape=[BM, BK])
     h_r = peer_ptr(peers_ptr, me, B_H_R, DT)
-    h_desc = h_r
-    if DN_ROWS_TMA:
-        # h is stored expert-major by the gate/up tiles: a down tile's rows are one block of it.
-        h_desc = tl.make_tensor_descriptor(tl.multiple_of(h_r, 16), shape=[RECV_ROWS, I], strides=[I, 1],
-                                           block_shape=[BM, BK])
     h_s = peer_ptr(peers_ptr, me, B_H_S, DT)
     comb = peer_ptr(peers_ptr, me, B_COMB, DT)
 
@@ -400,10 +369,9 @@ def expert_forward_kernel(
                     nxt = take_ticket(heads + Q_DOWN, open_q, OPEN_DOWN)
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    routed_down_rows(h_r, h_desc, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl,
-                                     peers_ptr, me, H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR,
-                                     B_COMB, BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, DN_ROWS_TMA, PROXY_FENCE, SCOPE,
-                                     PROFILE, profile_ptr)
+                    routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
+                                     H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
+                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr)
                     q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q
@@ -457,10 +425,10 @@ def expert_forward_kernel(
                     m = local % n_tiles_e
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    routed_gate_up_rows(x_ptr, recv_x, recv_desc, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr,
-                                        w_gate_up_desc, h_r, saved_ptr, slot_ptr, save_cap, H, I, TOP_K, T_MAX,
-                                        C_RECV_SRC, C_RECV_ENT, BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA, ROWS_ALIGNED,
-                                        GU_ONE_DOT, ROWS_TMA, PROXY_FENCE, PROFILE, profile_ptr)
+                    routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
+                                        h_r, saved_ptr, slot_ptr, save_cap, H, I, TOP_K, T_MAX, C_RECV_SRC, C_RECV_ENT,
+                                        BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA, ROWS_ALIGNED, GU_ONE_DOT,
+                                        PROFILE, profile_ptr)
                     signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
                     g, open_q = settle_ticket(nxt, n_gu, open_q, OPEN_GATE_UP)
                     did = 4
@@ -525,7 +493,7 @@ def expert_forward_kernel(
                     dispatch_chunk(ctl, peers_ptr, me, par, a - n_route - 1, x_ptr, x_ptr, topk_w,
                                    W, W_PAD, E, E_L, EL_PAD, O_PAD, TOP_K, T_MAX, H, BR, BH,
                                    C_TABLE, C_SEND_LIST, C_RECV_SRC, C_RECV_ENT, C_ARRIVED,
-                                   B_RECV_X, B_RECV_X, B_RECV_W, ROWS_TMA, False, SCOPE)
+                                   B_RECV_X, B_RECV_X, B_RECV_W, False, False, SCOPE)
                 did = 1 + (a > n_route) + (a > n_route + 1)  # route 1, count 2, dispatch 3
 
         # ---- SGATE_UP (shared expert): always ready, so it fills idle time ----

@@ -258,17 +258,12 @@ def gate_up_pair_acc_tma(
     a_rows, n_rows, w_desc, pair0, n0,
     K_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, a_desc=None, a_row0=0,
+    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
 ):
     """``gate_up_pair_acc`` with the weight blocks by TMA: ``w_desc`` views the gate/up weights
     as ``[2 E, N_DIM, K_DIM]`` (expert ``e``'s gate at ``2e``, its up at ``2e + 1``) with block
     ``[2, BN, BK]``, so one copy brings both blocks, stacked, and ``pair0 = 2e``. Rows past
     ``N_DIM`` within a half are zero-filled by the copy engine, never the other half's.
-
-    With ``a_desc`` the rows are contiguous, ``a[a_row0 : a_row0 + BM]``, and come by TMA too
-    (``a_rows`` and ``n_rows`` unused): the loop issues no operand copy from its threads. Rows
-    past the tile's own are read (the next expert's, or the descriptor's zero fill) and must be
-    masked at the store.
     """
     rows = tl.arange(0, BM)
     ks = tl.arange(0, BK)
@@ -276,11 +271,7 @@ def gate_up_pair_acc_tma(
     a_rows = a_rows[:, None]
     acc = tl.zeros([BM, 2 * BN], dtype=tl.float32)
     for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
-        if a_desc is None:
-            a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :],
-                        other=0.0)
-        else:
-            a = a_desc.load([a_row0, k0])
+        a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & ((k0 + ks) < K_DIM)[None, :], other=0.0)
         b = w_desc.load([pair0, n0, k0]).reshape([2 * BN, BK])
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE).T, acc)
     return column_halves(acc, BM, BN)  # [gate | up]

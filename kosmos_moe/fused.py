@@ -707,10 +707,7 @@ class FusedForward(_PersistentLaunch):
             importlib.import_module("torch.fx.experimental.symbolic_shapes")  # autograd's _make_grads imports it lazily
 
     def _launch(self, x, out, n, layer, warmup: bool, saved: SavedGateUp | None = None) -> None:
-        call = self.kernel_call(x, out, n, layer, saved=saved)
-        if (call[2]["ROWS_TMA"] or call[2]["DN_ROWS_TMA"]) and x.device.type == "cuda":
-            ensure_triton_allocator()  # descriptors over the workspace are made in the kernel
-        _run(*call, grid=(self.workers,), warmup=warmup,
+        _run(*self.kernel_call(x, out, n, layer, saved=saved), grid=(self.workers,), warmup=warmup,
              what=f"forward rank {self.fabric.rank} tokens {n} shared {layer.shared_experts is not None}",
              check=self.residency_check)
 
@@ -770,10 +767,6 @@ class FusedForward(_PersistentLaunch):
             # start 16-byte aligned: the kernel may tell the compiler so.
             ROWS_ALIGNED=(t.row_alignment_hint and x.data_ptr() % 16 == 0
                           and c.hidden_size * x.element_size() % 16 == 0),
-            ROWS_TMA=t.rows_by_tma and tma and t.gate_up_one_dot, RECV_ROWS=self.layout.recv_rows,
-            DN_ROWS_TMA=t.down_rows_by_tma and tma,
-            # The interpreter has no inline assembly, and no proxies to order.
-            PROXY_FENCE=self._targets_gpu(on_gpu),
         )
         return expert_forward_kernel, args, kwargs
 

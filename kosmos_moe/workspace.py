@@ -114,23 +114,6 @@ class Tiles:
     # busy per worker 3.18 -> 2.79 ms and the forward 5.72 -> 5.45 ms (DeepSeek-V3 rank view),
     # 1.29 -> 1.14 and 2.26 -> 2.15 ms (Qwen3 rank view).
     gate_up_one_dot: bool = True
-    # With weights by TMA and one-dot gate/up tiles: every routed row, this rank's own
-    # included, is copied expert-major into the receive buffer by the dispatch (at EP=1 about
-    # 470 MB of rows at DeepSeek-V3's shape), and the routed gate/up tiles read their rows by
-    # TMA too (tile_gemm.gate_up_pair_acc_tma with a_desc), after an async-proxy fence. Their loop then
-    # issues no row copies of its own (stop 39 found its waits there). Offline sm_90 SASS at
-    # DeepSeek-V3 32 experts: 92 instructions a step against 123, without the 4 per-thread
-    # copies (LDGSTS) and their wait, but with 4 CTA barriers against 3 (Triton puts one
-    # before each TMA issue).
-    # Against it: the backward's dx and SwiGLU-backward tiles were slower with rows by TMA on
-    # the H200 (BackwardTiles.tile_tma). Not yet timed (benchmarks/gpu_session.sh tiles-rows
-    # times the tiles on their own; layer_forward.py variant rows_by_tma).
-    rows_by_tma: bool = False
-    # With weights by TMA: the routed down tiles read their rows of h by TMA too, after an
-    # async-proxy fence. Those rows are expert-major already (the gate/up tiles store them so),
-    # so no copy is added. Offline sm_90 SASS at DeepSeek-V3 32 experts: 93 instructions a step
-    # against 114. Not yet timed (layer_forward.py variant down_rows_by_tma).
-    down_rows_by_tma: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)

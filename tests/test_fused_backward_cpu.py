@@ -328,20 +328,6 @@ def test_backward_gemm_operands(tma, block_loops):
     run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, block_loops, env=INTERPRET)
 
 
-def check_rows_by_tma(rank, world, items):
-    import dataclasses
-
-    from kosmos_moe.workspace import INTERPRETER_TILES
-
-    check_cases(rank, world, items, tiles=dataclasses.replace(INTERPRETER_TILES, rows_by_tma=True))
-
-
-def test_backward_after_rows_by_tma():
-    """The backward of forwards whose gate/up tiles read every row by TMA (Tiles.rows_by_tma):
-    the projections they keep, and where they record each row, serve the backward as before."""
-    run_world(2, check_rows_by_tma, [("softmax_shared", "none")], env=INTERPRET)
-
-
 def check_kept_rows(rank, world, items, save_gate_up, save_shared):
     from kosmos_moe.fused import SAVED_NONE, SAVED_SOME
 

@@ -17,10 +17,10 @@ from kosmos_moe.workspace import INTERPRETER_TILES, BackwardTiles
 from multiprocess import INTERPRET, run_world
 
 
-def check_case(rank, world, case, skew, **fused_options):
+def check_case(rank, world, case, skew):
     spec = CASES[case]
     counts = spec["counts"][:world]
-    full, fused = build(world, case, skew, max_tokens=max(counts) + 3, **fused_options)
+    full, fused = build(world, case, skew, max_tokens=max(counts) + 3)
     hidden = spec["shape"]["hidden_size"]
     # Two calls with different batches: the second runs on the next epoch and parity, and
     # on the counters the first call's last worker reset.
@@ -60,22 +60,6 @@ def test_fused_skewed_routing(world):
     if world > 1:
         items += [("sigmoid_group_shared", "one_rank"), ("softmax_shared", "one_rank")]
     run_world(world, check_cases, items, env=INTERPRET)
-
-
-def check_rows_by_tma(rank, world, items, which):
-    for case, skew in items:
-        check_case(rank, world, case, skew, tiles=replace(INTERPRETER_TILES, **{which: True}))
-
-
-@pytest.mark.parametrize("world", [1, 2])
-@pytest.mark.parametrize("which", ["rows_by_tma", "down_rows_by_tma"])
-def test_rows_by_tma(world, which):
-    """Tiles.rows_by_tma: every row copied expert-major, this rank's too, and the routed gate/up
-    tiles reading their rows by TMA; Tiles.down_rows_by_tma: the down tiles reading their rows
-    of h by TMA. A tile's rows past its expert's end read the next expert's rows or the
-    descriptor's zero fill, which the store must leave out."""
-    run_world(world, check_rows_by_tma, [("softmax_shared", "none"), ("sigmoid_group", "one_expert")], which,
-              env=INTERPRET)
 
 
 def check_weight_changes(rank, world):

@@ -48,23 +48,19 @@ def check_tiles(rank, world, tma):
     gu_grid, dn_grid = (nt * triton.cdiv(I, BN),), (nt * triton.cdiv(H, BN),)
     results = {}
     # one_dot: gate and up blocks side by side in one dot (a 3-D descriptor [2E, I, H] by TMA),
-    # where a block past I must read the descriptor's zero fill, not the up rows; rows_tma: the
-    # contiguous rows by TMA too, where a tile's last rows read the next expert's (masked out).
-    for gather, one_dot, rows_tma in ((True, False, False), (False, False, False), (True, True, False),
-                                      (False, True, False), (False, True, True)):
-        if rows_tma and not tma:
-            continue
+    # where a block past I must read the descriptor's zero fill, not the up rows.
+    for gather, one_dot in ((True, False), (False, False), (True, True), (False, True)):
         h = torch.zeros(R, I)
         if tma:
             w_desc = (TensorDescriptor.from_tensor(w_gate_up.view(2 * E, I, H), [2, BN, BK]) if one_dot
                       else TensorDescriptor.from_tensor(w_gate_up.view(-1, H), [BN, BK]))
             g._gate_up_grid_tma[gu_grid](
                 x if gather or not one_dot else rows, TensorDescriptor.from_tensor(rows, [BM, BK]), token_of_row,
-                row0, n_rows, ex, nt, w_desc, h, H, I, BM, BN, BK, 1, gather, tl.float32, one_dot, rows_tma)
+                row0, n_rows, ex, nt, w_desc, h, H, I, BM, BN, BK, 1, gather, tl.float32, one_dot)
         else:
             g._gate_up_grid[gu_grid](x if gather else rows, token_of_row, row0, n_rows, ex, nt, w_gate_up, h,
                                      H, I, BM, BN, BK, 1, gather, tl.float32, one_dot)
-        results[f"gate/up, gathered rows {gather}, one dot {one_dot}, rows by TMA {rows_tma}"] = (h, h_ref)
+        results[f"gate/up, gathered rows {gather}, one dot {one_dot}"] = (h, h_ref)
     for rows_by_tma in ((False, True) if tma else (False,)):
         y = torch.zeros(R, H)
         if tma:
