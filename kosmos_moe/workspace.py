@@ -104,7 +104,10 @@ class Tiles:
     # 5.48 ms, gate/up tiles 3.26 against 2.79 ms busy per worker; benchmarks/FINDINGS.md),
     # so 1.
     workers_per_sm: int = 1
-    tma: bool = True             # weight blocks by TMA where the device and strides allow it (kosmos_moe.fused.weight_descriptors)
+    # Weight blocks by TMA where the device and strides allow it (kosmos_moe.fused.weight_descriptors).
+    # Rows stay pointer loads: rows by TMA too (every row first copied expert-major) made no tile
+    # faster and the forward 0-7% slower on an H100 (stop 44, benchmarks/FINDINGS.md).
+    tma: bool = True
     row_alignment_hint: bool = True  # tell the compiler gate/up rows are 16-byte aligned when they are (expert_forward)
     # Routed gate/up tiles as one dot of 2 x gate_up_cols columns, the gate block and the up
     # block side by side (tile_gemm.gate_up_pair_acc): the row block is read once per step, not
