@@ -270,11 +270,10 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
             f"{100 * roof / t_fused:.0f}% of roofline, GEMM {v['in_kernel_gemm_tflops']:.0f} TFLOP/s in kernel "
             f"vs grouped_mm {result['grouped_mm_tflops']:.0f}; busy ms "
             + ", ".join(f"{k} {s * 1e3:.3f}" for k, s in busy.items()) + "; per tile " + describe_task_times(tile_us))
-        # The call closes over the layers and their world, so it goes too. Even so, at stop 44
-        # on an H100 80GB the second variant of dsv3_emulated8 ran out of memory: the first
-        # world's 8 x 5 GB of workspaces were still held, by a holder not found. Time emulated
-        # variants one per process there (benchmarks/README.md).
-        del call, layers, world, outs, out, err
+        # Every name that reaches this world goes, the loops' last layer too: its fabric holds
+        # the world and so every rank's workspace (stop 44: the second variant of dsv3_emulated8
+        # ran out of an H100's memory beside the first one's 8 x 5 GB).
+        del call, layers, layer, world, outs, out, err
         gc.collect()
         torch.cuda.empty_cache()
     del full
