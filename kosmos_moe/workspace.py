@@ -105,8 +105,8 @@ class Tiles:
     # so 1.
     workers_per_sm: int = 1
     # Weight blocks by TMA where the device and strides allow it (kosmos_moe.fused.weight_descriptors).
-    # Rows stay pointer loads: rows by TMA too (every row first copied expert-major) made no tile
-    # faster and the forward 0-7% slower on an H100 (stop 44, benchmarks/FINDINGS.md).
+    # Rows stay pointer loads: rows by TMA too (every row first copied expert-major) made no
+    # forward faster, and the EP=1 ones 0-7% slower, on an H100 (stop 44, benchmarks/FINDINGS.md).
     tma: bool = True
     row_alignment_hint: bool = True  # tell the compiler gate/up rows are 16-byte aligned when they are (expert_forward)
     # Routed gate/up tiles as one dot of 2 x gate_up_cols columns, the gate block and the up
