@@ -125,20 +125,25 @@ def weight_descriptors(experts: nn.Module, shared_mlp: nn.Module | None, tiles: 
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    from .tma_promotion import promote
+
+    def described(weight: torch.Tensor, block: list[int]):
+        return promote(TensorDescriptor.from_tensor(weight, block), tiles.weight_l2_promotion)
+
     gu, dn = experts.gate_up_proj, experts.down_proj
     gu_block, dn_block = [tiles.gate_up_cols, tiles.depth], [tiles.down_cols, tiles.depth]
-    w_gu_rows = TensorDescriptor.from_tensor(gu.detach().view(-1, gu.shape[-1]), gu_block)
+    w_gu_rows = described(gu.detach().view(-1, gu.shape[-1]), gu_block)
     w_gu = w_gu_rows
     if tiles.gate_up_one_dot:
         # [2 E, I, H], block [2, gate_up_cols, depth]: an expert's gate and up blocks of the
         # same columns in one copy (tile_gemm.gate_up_pair_acc_tma).
-        w_gu = TensorDescriptor.from_tensor(gu.detach().view(-1, gu.shape[-2] // 2, gu.shape[-1]), [2, *gu_block])
-    w_dn = TensorDescriptor.from_tensor(dn.detach().view(-1, dn.shape[-1]), dn_block)
+        w_gu = described(gu.detach().view(-1, gu.shape[-2] // 2, gu.shape[-1]), [2, *gu_block])
+    w_dn = described(dn.detach().view(-1, dn.shape[-1]), dn_block)
     if shared_mlp is None:
         return w_gu, w_dn, w_gu_rows, w_gu_rows, w_dn
-    return (w_gu, w_dn, TensorDescriptor.from_tensor(shared_mlp.gate_proj.weight.detach(), gu_block),
-            TensorDescriptor.from_tensor(shared_mlp.up_proj.weight.detach(), gu_block),
-            TensorDescriptor.from_tensor(shared_mlp.down_proj.weight.detach(), dn_block))
+    return (w_gu, w_dn, described(shared_mlp.gate_proj.weight.detach(), gu_block),
+            described(shared_mlp.up_proj.weight.detach(), gu_block),
+            described(shared_mlp.down_proj.weight.detach(), dn_block))
 
 
 # What a training forward keeps of the gate and up projections (the backward kernel's SAVED):

@@ -117,6 +117,11 @@ class Tiles:
     # busy per worker 3.18 -> 2.79 ms and the forward 5.72 -> 5.45 ms (DeepSeek-V3 rank view),
     # 1.29 -> 1.14 and 2.26 -> 2.15 ms (Qwen3 rank view).
     gate_up_one_dot: bool = True
+    # Bytes the L2 cache fetches per TMA miss on the weight descriptors (kosmos_moe.tma_promotion).
+    # Triton encodes 128, one k-step of a weight row (64 bf16 columns); 256 also brings the row's
+    # next step into L2 ahead of its copy, where the weights stream from HBM (128 and 256
+    # experts). Untimed (stop 44; layer_forward.py variant weights_l2_256).
+    weight_l2_promotion: int = 128
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)

@@ -88,6 +88,17 @@ def test_two_workers_per_sm(world):
     assert layers[0].fused().workers == 2 * sms // world
 
 
+def test_weight_l2_promotion():
+    # Weight descriptors re-encoded with 256-byte L2 promotion (kosmos_moe.tma_promotion): the
+    # hook found Triton's maps as it encodes them, replaced them, and the results are unchanged.
+    from kosmos_moe import tma_promotion
+
+    before = tma_promotion.rewrites
+    run_and_check("sigmoid_group_shared", 2, tiles=replace(GPU_TILES, weight_l2_promotion=256))
+    assert tma_promotion.status() is None, tma_promotion.status()
+    assert tma_promotion.rewrites > before, "no weight descriptor was re-encoded"
+
+
 def test_grid_beyond_residency_is_refused():
     # The default tiles (8 warps, ~147 KB of shared memory) fit one worker per SM: asking for
     # two is refused before the launch, naming what the compiled kernel needs, instead of
