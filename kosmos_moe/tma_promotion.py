@@ -65,6 +65,7 @@ def install() -> bool:
             from triton.backends.nvidia import driver
         except ImportError as exc:
             _disabled = f"no Triton NVIDIA driver ({exc})"
+            log.warning("L2 promotion of TMA descriptors unavailable: %s", _disabled)
             return False
         original = getattr(driver, "make_tensordesc_arg", None)
         if original is None:
