@@ -113,7 +113,7 @@ ALL_CASES = {**CASES, **EDGE_CASES}
 
 def build(world, case, skew, max_tokens, dtype=None, **fused_options):
     """The full reference layer (seeded, skewed, fp32) and this rank's fused layer loaded from
-    it (in ``dtype``, fp32 by default); ``fused_options`` override the case's (its tiles)."""
+    it (in ``dtype``, fp32 by default)."""
     spec = ALL_CASES[case]
     shape = spec["shape"]
     torch.manual_seed(0)
@@ -123,7 +123,7 @@ def build(world, case, skew, max_tokens, dtype=None, **fused_options):
     skew_router(full, skew, world)
     group = dist.group.WORLD if world > 1 else None
     fused = ExpertLayer(**shape, backend="kosmos", group=group, max_tokens_per_rank=max_tokens,
-                        workers_per_rank=spec["workers"], fused_options=dict(tiles=spec.get("tiles")) | fused_options,
+                        workers_per_rank=spec["workers"], fused_options=dict(tiles=spec.get("tiles"), **fused_options),
                         dtype=dtype)
     fused.load_full_state_dict(full.state_dict())
     return full, fused

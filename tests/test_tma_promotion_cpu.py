@@ -9,6 +9,7 @@ Triton's map is not what this module would have encoded.
 
 import ctypes
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,8 +24,8 @@ THEIRS, OURS = b"T" * 128, b"O" * 128
 
 @pytest.fixture
 def driver(monkeypatch):
-    """The NVIDIA driver module with a stand-in for Triton's encoding, and fresh hook state
-    (both restored afterwards)."""
+    """The NVIDIA driver module's descriptor step with a stand-in for Triton's encoding, fresh
+    hook state (all restored afterwards), and the stand-in map's memory."""
     from triton.backends.nvidia import driver
 
     memory = (ctypes.c_uint8 * 256)()
@@ -39,9 +40,7 @@ def driver(monkeypatch):
         monkeypatch.setattr(tp, name, value)
     monkeypatch.setattr(tp, "_object_memory", lambda tensor_map: (ctypes.addressof(memory), 256))
     monkeypatch.setattr(tp, "_encode", lambda arg, metadata, promotion: THEIRS if promotion == 128 else OURS)
-    driver.memory = memory
-    yield driver
-    del driver.memory
+    return SimpleNamespace(module=driver, memory=memory)
 
 
 def descriptor():
@@ -57,20 +56,20 @@ def test_promote_checks_the_size_and_leaves_triton_s_own_alone(driver):
 
 def test_marked_descriptor_gets_the_promoted_map_in_place(driver):
     d = tp.promote(descriptor(), 256)
-    out = driver.make_tensordesc_arg(d, META)
+    out = driver.module.make_tensordesc_arg(d, META)
     assert out == ["map", 64, 64, 64, 1]
     raw = bytes(driver.memory)
     assert raw[128:] == OURS and raw[:128] == bytes(128), "the map must be replaced where Triton's was, only there"
     assert tp.rewrites == 1 and tp.status() is None
     # A second launch of the same descriptor: Triton makes a fresh map, which is replaced again.
-    driver.make_tensordesc_arg(d, META)
+    driver.module.make_tensordesc_arg(d, META)
     assert bytes(driver.memory)[128:] == OURS and tp.rewrites == 2
 
 
 def test_unmarked_descriptors_and_unlowered_ones_keep_triton_s_map(driver):
     tp.install()
-    driver.make_tensordesc_arg(descriptor(), META)
-    driver.make_tensordesc_arg(tp.promote(descriptor(), 256), None)  # no descriptor metadata: no map
+    driver.module.make_tensordesc_arg(descriptor(), META)
+    driver.module.make_tensordesc_arg(tp.promote(descriptor(), 256), None)  # no descriptor metadata: no map
     assert bytes(driver.memory)[128:] == THEIRS and tp.rewrites == 0
 
 
@@ -78,8 +77,8 @@ def test_a_map_unlike_this_module_s_encoding_is_never_replaced(driver, monkeypat
     monkeypatch.setattr(tp, "_encode", lambda arg, metadata, promotion: b"X" * 128 if promotion == 128 else OURS)
     d = tp.promote(descriptor(), 256)
     with caplog.at_level(logging.WARNING, logger="kosmos_moe.tma_promotion"):
-        driver.make_tensordesc_arg(d, META)
-        driver.make_tensordesc_arg(d, META)
+        driver.module.make_tensordesc_arg(d, META)
+        driver.module.make_tensordesc_arg(d, META)
     assert bytes(driver.memory)[128:] == THEIRS and tp.rewrites == 0
     assert "differs" in tp.status()
     assert sum("disabled" in r.message for r in caplog.records) == 1
