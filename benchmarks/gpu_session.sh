@@ -30,12 +30,12 @@
 #                    against the blocks without the hint
 #   variants-route   layer_forward.py on the four EP=1 cases, the default against route steps
 #                    128 deep and the route tiles' staging before stop 38
-#   variants-weights the GPU test of the weight descriptors' 256-byte L2 promotion, then
-#                    layer_forward.py on the four EP=1 cases, the default against ways to have
-#                    the routed tiles' weight copies wait less (stop 39: 20% of the forward's
-#                    warp time at Qwen3 128 experts): that promotion (weights_l2_256, untimed
-#                    at stop 44), or 4 pipeline stages for the gate/up tiles as for the down
-#                    tiles (stages4)
+#   variants-weights the GPU test of the weight descriptors' 256-byte L2 promotion (the default
+#                    since stop 45), then layer_forward.py on the four EP=1 cases, the default
+#                    against ways the routed tiles' weight copies were made to wait less or
+#                    more (stop 39: 20% of the forward's warp time at Qwen3 128 experts):
+#                    Triton's 128-byte promotion (weights_l2_128), or 4 pipeline stages for
+#                    the gate/up tiles as for the down tiles (stages4)
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
@@ -76,7 +76,7 @@ run_stage() {
         variants-weights) python -m pytest -q tests/test_fused_gpu.py -k weight_l2_promotion && \
                           python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                               --out "$out/variants_weights.json" \
-                              --variants default weights_l2_256 stages4 ;;
+                              --variants default weights_l2_128 stages4 ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \

@@ -63,9 +63,9 @@ TILE_VARIANTS = {
     # 147,480 B below 128). Untimed (stop 38).
     "route_depth128": dataclasses.replace(GPU_TILES, route_depth=128),
     "gate_up_two_dots": dataclasses.replace(GPU_TILES, gate_up_one_dot=False),
-    # Weight descriptors with 256-byte L2 promotion (Tiles.weight_l2_promotion; Triton's is 128):
-    # a miss on one k-step of a weight row also brings the next. Untimed (stop 44).
-    "weights_l2_256": dataclasses.replace(GPU_TILES, weight_l2_promotion=256),
+    # Weight descriptors with Triton's own 128-byte L2 promotion, the default until stop 45
+    # (Tiles.weight_l2_promotion, 256 since, has the figures).
+    "weights_l2_128": dataclasses.replace(GPU_TILES, weight_l2_promotion=128),
     # The down tiles' 3 stages, the default until stop 41 (Tiles.down_stages has the figures).
     "down_stages3": dataclasses.replace(GPU_TILES, down_stages=3),
     # Two workers of one warpgroup per SM (Tiles.workers_per_sm), each tile a warpgroup's:

@@ -36,11 +36,18 @@ def check_tile_sizes(tiles) -> None:
     """Raise ``ValueError`` naming every bad size of a tiles dataclass: pipeline depths, strip
     lengths and workers per SM (fields ending in ``stages``, ``strip`` or ``per_sm``) must be
     positive, every other size (block shapes, which index ``tl.arange``, and warps) a power of
-    two; Triton would otherwise fail deep inside the compile of the whole kernel."""
+    two; Triton would otherwise fail deep inside the compile of the whole kernel. L2 promotions
+    (fields ending in ``promotion``) must be one the driver encodes."""
+    from .tma_promotion import PROMOTIONS
+
     bad = []
     for f in fields(tiles):
         v = getattr(tiles, f.name)
         if f.type not in (int, "int"):
+            continue
+        if f.name.endswith("promotion"):
+            if v not in PROMOTIONS:
+                bad.append(f"{f.name}={v} (L2 promotion bytes: one of {sorted(PROMOTIONS)})")
             continue
         counts = f.name.endswith(("stages", "strip", "per_sm"))
         if v < 1 or (not counts and v & (v - 1)):
@@ -120,8 +127,10 @@ class Tiles:
     # Bytes the L2 cache fetches per TMA miss on the weight descriptors (kosmos_moe.tma_promotion).
     # Triton encodes 128, one k-step of a weight row (64 bf16 columns); 256 also brings the row's
     # next step into L2 ahead of its copy, where the weights stream from HBM (128 and 256
-    # experts). Untimed (stop 44; layer_forward.py variant weights_l2_256).
-    weight_l2_promotion: int = 128
+    # experts). H100 80GB, stop 45, layer_forward.py, one process, forward device ms 128 / 256:
+    # DeepSeek-V3 256 experts 10.91 / 10.24, Qwen3 128 3.06 / 3.00, DeepSeek-V3 32 5.45 / 5.47,
+    # Qwen3 16 2.11 / 2.13 (variant weights_l2_128 runs Triton's).
+    weight_l2_promotion: int = 256
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)

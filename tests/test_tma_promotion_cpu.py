@@ -84,7 +84,9 @@ def test_a_map_unlike_this_module_s_encoding_is_never_replaced(driver, monkeypat
     assert sum("disabled" in r.message for r in caplog.records) == 1
 
 
-def test_tiles_default_is_triton_s_promotion():
-    assert GPU_TILES.weight_l2_promotion == 128
-    with pytest.raises(ValueError):
-        Tiles(weight_l2_promotion=100)
+def test_tiles_promotion_is_checked():
+    assert GPU_TILES.weight_l2_promotion == 256
+    for bad in (100, 512):
+        with pytest.raises(ValueError, match="weight_l2_promotion"):
+            Tiles(weight_l2_promotion=bad)
+    assert Tiles(weight_l2_promotion=0).weight_l2_promotion == 0
