@@ -62,9 +62,6 @@ VARIANTS = {
     "wgrad_k32_stages4": _backward_tiles(wgrad_depth=32, wgrad_stages=4),
     "wgrad_pointers": _backward_tiles(wgrad_tma=False),
     "tile_tma": _backward_tiles(tile_tma=True),
-    # The dx and kept-projection SwiGLU-backward tiles' weight blocks through host descriptors
-    # with 256-byte L2 promotion (BackwardTiles.weight_tma), rows by pointer loads. Untimed (stop 45).
-    "weight_tma": _backward_tiles(weight_tma=True),
     # The default until stop 32: 128 x 128 weight-gradient tiles in 4 stages beside 128 x 128
     # router-gradient tiles (128 x 256 ones beside those make ptxas serialize every wgmma, C7512).
     "wgrad_cols128": _backward_tiles(wgrad_cols=128, wgrad_stages=4, router_grad_rows=128, router_grad_cols=128),

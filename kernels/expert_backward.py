@@ -52,12 +52,6 @@ DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T 
           local tokens in order, BRK at a time, in BRM x BRN tiles of fp32 operands. Ready
           when every route-backward tile is done.
 
-The weight blocks of the DX tiles and of the DH tiles that read kept projections come by
-pointer loads, or with ``W_TMA`` through host descriptors over every local expert's rows of
-``[Wg; Wu]`` and ``Wd`` (``w_gate_up_desc``, ``w_down_desc``; made by the launcher with the
-forward's L2 promotion), as the forward's do. The weights are not written in this launch, so
-these need no proxy fence.
-
 Claiming and why it cannot deadlock: as in the forward (kernels.expert_forward). FOLD, DH,
 DX, RBWD, DWGU/DWD (one ticket for both, dW[g;u] first) and DWR are taken by ticket and run
 when ready, FEED by fetch-and-add. No worker waits on a ticket it holds. Only FEED tasks spin, each on FEED tasks before it in some rank's queue (count
@@ -174,7 +168,7 @@ def kept_swiglu_backward(
     g_ptr, n_rows, w_down_ptr, kept, wgt, r64, row_ok, n0, hw, dgu,
     H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_EPI: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-    PROFILE: tl.constexpr, profile_ptr, W_TMA: tl.constexpr = False, w_desc=None, w_row0=0,
+    PROFILE: tl.constexpr, profile_ptr,
 ):
     """A SwiGLU-backward tile whose rows' gate and up projections the forward kept (``kept``:
     one pointer per row): ``dh' = g @ Wd[:, n0:n0+BN]`` is its only GEMM. The epilogue runs in
@@ -182,8 +176,7 @@ def kept_swiglu_backward(
     784 B of spills, H200: 2.94 -> 2.24 ms busy per worker, DeepSeek-V3 one-rank view), or in
     quarters where a quarter is still ``BN_EPI`` columns wide (256-column tiles beside per-block
     weight-gradient loops: 776 B of spills against 1,668 in halves)."""
-    dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA,
-                                 W_TMA, w_desc, w_row0)
+    dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA)
     t_epilogue = now() if PROFILE else 0
     lo, hi = column_halves(dh1, BM, BN // 2)
     if BN >= 4 * BN_EPI:
@@ -223,7 +216,7 @@ def recomputed_swiglu_backward(
 @triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap"])
 def expert_backward_kernel(
     x_ptr, g_ptr, dx_ptr, topk_e_ptr, topk_w_ptr, logits_ptr, n_tokens, saved_ptr, slot_ptr, save_cap,
-    router_w_ptr, scale, w_gate_up_ptr, w_down_ptr, w_gate_up_desc, w_down_desc,
+    router_w_ptr, scale, w_gate_up_ptr, w_down_ptr,
     d_router_ptr, d_gate_up_ptr, d_down_ptr,
     peers_ptr, me, wait_bound, profile_ptr,
     H: tl.constexpr, I: tl.constexpr, E: tl.constexpr, E_L: tl.constexpr, TOP_K: tl.constexpr,
@@ -247,7 +240,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False, W_TMA: tl.constexpr = False,
+    WG_EVICT_FIRST: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -358,8 +351,7 @@ def expert_backward_kernel(
                         n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
                         acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
                                                      w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
-                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, DX_STAGES, TILE_TMA,
-                                                     W_TMA, w_gate_up_desc, e * (2 * I))
+                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, DX_STAGES, TILE_TMA)
                         t_epilogue = now() if PROFILE else 0
                         rows = row0 + tl.arange(0, BM)
                         row_ok = tl.arange(0, BM) < n_rows
@@ -473,7 +465,7 @@ def expert_backward_kernel(
                         if SAVED == SAVED_ALL:
                             part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw,
                                                         dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                        TILE_TMA, PROFILE, profile_ptr, W_TMA, w_down_desc, e * H)
+                                                        TILE_TMA, PROFILE, profile_ptr)
                         else:
                             use_kept = False
                             if SAVED == SAVED_SOME:
@@ -481,7 +473,7 @@ def expert_backward_kernel(
                             if use_kept:
                                 part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
                                                             hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                            TILE_TMA, PROFILE, profile_ptr, W_TMA, w_down_desc, e * H)
+                                                            TILE_TMA, PROFILE, profile_ptr)
                             else:
                                 w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
                                 part = recomputed_swiglu_backward(recv_x + rows.to(tl.int64) * H,

@@ -189,7 +189,6 @@ def rows_times_weight_tile(
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr = False,
-    W_TMA: tl.constexpr = False, w_desc=None, w_row0=0,
 ):
     """Return the fp32 tile ``a[:BM] @ W[:, n0:n0+BN]`` for a row-major ``W`` ``[K_DIM, N_DIM]``
     and ``n_rows >= 1`` contiguous rows of ``a``.
@@ -197,11 +196,6 @@ def rows_times_weight_tile(
     ``TMA``: both operands through descriptors made here (``a`` over exactly ``n_rows`` rows,
     so the copy engine zero-fills the rest of the tile); needs 16-byte aligned bases and row
     strides (see ``row_reduction_strip``).
-
-    ``W_TMA``: ``W``'s blocks instead through ``w_desc``, a host descriptor over every expert's
-    rows (``[experts * K_DIM, N_DIM]``, block ``[BK, BN]``), this ``W`` from row ``w_row0``. A
-    step past ``K_DIM`` would read the next expert's rows, so ``K_DIM`` must be a multiple of
-    ``BK``; columns past ``N_DIM`` are zero-filled.
     """
     rows = tl.arange(0, BM)
     cols = n0 + tl.arange(0, BN)
@@ -211,23 +205,16 @@ def rows_times_weight_tile(
     a_rows = a_ptr + rows.to(tl.int64)[:, None] * K_DIM
     w_cols = w_ptr + cols[None, :]
     if TMA:
-        a_in = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
-        if not W_TMA:
-            w_in = tl.make_tensor_descriptor(w_ptr, shape=[K_DIM, N_DIM], strides=[N_DIM, 1], block_shape=[BK, BN])
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_rows, K_DIM], strides=[K_DIM, 1], block_shape=[BM, BK])
+        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K_DIM, N_DIM], strides=[N_DIM, 1], block_shape=[BK, BN])
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    if W_TMA:
-        tl.static_assert(K_DIM % BK == 0, "W_TMA: a step past K_DIM would read the next expert's rows")
     for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
-        k_ok = (k0 + ks) < K_DIM
         if TMA:
-            a = a_in.load([0, k0])
+            a = a_desc.load([0, k0])
+            b = w_desc.load([k0, n0])
         else:
+            k_ok = (k0 + ks) < K_DIM
             a = tl.load(a_rows + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if W_TMA:
-            b = w_desc.load([w_row0 + k0, n0])
-        elif TMA:
-            b = w_in.load([k0, n0])
-        else:
             b = tl.load(w_cols + (k0 + ks).to(tl.int64)[:, None] * N_DIM, mask=k_ok[:, None] & col_ok[None, :],
                         other=0.0)
         acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)

@@ -113,8 +113,7 @@ class ExpertExchange:
         dummy = launch.workspace.peers
         consts = launch._common_constexprs(x.dtype)
         expert_backward_kernel[(launch.workers,)](
-            x.contiguous(), x, x, top_e, top_w, top_w, n, x, top_e, 0, dummy, 1.0, dummy, dummy, dummy, dummy,
-            dummy, dummy, dummy,
+            x.contiguous(), x, x, top_e, top_w, top_w, n, x, top_e, 0, dummy, 1.0, dummy, dummy, dummy, dummy, dummy,
             launch.workspace.peers, self.fabric.rank, launch.wait_bound, dummy,
             **consts, **t.kernel_constants(), PROFILE=False, MODE=1,
         )

@@ -91,21 +91,6 @@ def backward_tma_usable(config: MoEConfig, dtype: torch.dtype, device: torch.dev
     return _tma_ok(device, dtype, (config.hidden_size, config.moe_intermediate_size))
 
 
-def backward_weight_descriptors(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, tiles) -> tuple:
-    """Host TMA descriptors of the local experts' ``[Wg; Wu]`` (``[E_L * 2I, H]``, block
-    ``[depth, dx_cols]``) and ``Wd`` (``[E_L * H, I]``, block ``[depth, swiglu_cols]``), the
-    weight operands of the backward's dx and kept-projection SwiGLU-backward tiles
-    (``BackwardTiles.weight_tma``), with ``tiles.weight_l2_promotion``."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    from .tma_promotion import promote
-
-    gu = gate_up_proj.detach().view(-1, gate_up_proj.shape[-1])
-    dn = down_proj.detach().view(-1, down_proj.shape[-1])
-    return (promote(TensorDescriptor.from_tensor(gu, [tiles.depth, tiles.dx_cols]), tiles.weight_l2_promotion),
-            promote(TensorDescriptor.from_tensor(dn, [tiles.depth, tiles.swiglu_cols]), tiles.weight_l2_promotion))
-
-
 def _torch_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     # Triton asks for global scratch at each launch of a kernel that makes tensor descriptors
     # on the device (128 bytes per descriptor and program); the caching allocator serves it.
@@ -832,9 +817,6 @@ class FusedBackward(_PersistentLaunch):
             super()._build_constexprs(dtype, on_gpu),
             WG_TMA=t.wgrad_tma and tma, WG_TMA_STORE=t.wgrad_tma and t.wgrad_tma_store and tma,
             TILE_TMA=t.tile_tma and tma,
-            # Descriptor steps over the weights' rows must not cross into the next expert's.
-            W_TMA=(t.weight_tma and tma and self.config.hidden_size % t.depth == 0
-                   and 2 * self.config.moe_intermediate_size % t.depth == 0),
             # The interpreter has no inline assembly, and no proxies to order.
             PROXY_FENCE=self._targets_gpu(on_gpu),
         )
@@ -914,17 +896,15 @@ class FusedBackward(_PersistentLaunch):
         from kosmos_moe.kernels.expert_backward import expert_backward_kernel
 
         c, t = self.config, self.tiles
-        consts = self._common_constexprs(tokens.dtype, on_gpu)
         args = (
             tokens, grad_out, dx, top_e, top_w, saved.logits, n, saved.values, saved.slots, saved.rows,
             router_weight, float(c.routed_scaling_factor), gate_up_proj, down_proj,
-            *(backward_weight_descriptors(gate_up_proj, down_proj, t) if consts["W_TMA"] else (gate_up_proj, down_proj)),
             d_router, d_gate_up, d_down,
             self.workspace.peers, self.fabric.rank, self.wait_bound,
             self.profile if self.profile is not None else self.workspace.peers,
         )
         kwargs = dict(
-            **consts, **t.kernel_constants(),
+            **self._common_constexprs(tokens.dtype, on_gpu), **t.kernel_constants(),
             PROFILE=self.profile is not None, SAVED=self.saved,
         )
         return expert_backward_kernel, args, kwargs

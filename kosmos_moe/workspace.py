@@ -336,15 +336,6 @@ class BackwardTiles:
     # the H200 it made them slower (busy ms per worker, pointer loads vs TMA, DeepSeek-V3 rank
     # view: dx 3.74 vs 3.85, SwiGLU backward 2.26 vs 2.28; 256 experts: dx 6.22 vs 6.71).
     tile_tma: bool = False
-    # The weight blocks of the dx tiles and of the kept-projection SwiGLU-backward tiles through
-    # host descriptors over every local expert's weights (kosmos_moe.fused.backward_weight_descriptors),
-    # as the forward's are, with weight_l2_promotion; rows stay pointer loads. Where
-    # tile_tma's in-kernel descriptors came for both operands, these are made once per launch
-    # and need no fence. At 256 experts the two tiles stream all 22.5 GB of DeepSeek-V3's
-    # weights from HBM, by pointer loads 9.3 ms busy per worker (H100 80GB, stop 34: 2.4 TB/s).
-    # Untimed (stop 45; layer_backward.py variant weight_tma).
-    weight_tma: bool = False
-    weight_l2_promotion: int = 256  # as Tiles.weight_l2_promotion, for weight_tma's descriptors
     # Each weight-gradient block its own pipelined loop instead of one flat loop over the
     # strip's blocks and row steps (tile_gemm.row_reduction_strip's BLOCK_LOOPS). Offline (sm_90,
     # Triton 3.6, DeepSeek-V3 one-rank view) the kernel's spills fall from 1,332 to 304 B, and

@@ -108,16 +108,7 @@ EDGE_CASES = {
                    n_group=4, topk_group=2, routed_scaling_factor=2.5),
         counts=[21], workers=2),
 }
-# Widths that are multiples of the interpreter's 16-deep steps, which the backward's weight
-# descriptors need (BackwardTiles.weight_tma); I = 24 leaves the second 16-column block of Wd
-# half past its end, which the descriptor zero-fills.
-ALIGNED_CASES = {
-    "aligned_widths": dict(
-        shape=dict(hidden_size=32, moe_intermediate_size=24, num_experts=8, top_k=3, num_shared_experts=1),
-        counts=[29, 11, 0, 17], workers=2,
-    ),
-}
-ALL_CASES = {**CASES, **EDGE_CASES, **ALIGNED_CASES}
+ALL_CASES = {**CASES, **EDGE_CASES}
 
 
 def build(world, case, skew, max_tokens, dtype=None, **fused_options):
@@ -166,12 +157,6 @@ GPU_SHAPES = {
         hidden_size=1032, moe_intermediate_size=264, num_experts=64, top_k=8, router="sigmoid_group",
         n_group=8, topk_group=4, routed_scaling_factor=2.5, num_shared_experts=1,
     ),
-    # H and 2I multiples of 64, which the backward's weight descriptors need
-    # (BackwardTiles.weight_tma); I = 320 leaves the last 256-column block of Wd 192 past its end.
-    "aligned_widths": dict(
-        hidden_size=1536, moe_intermediate_size=320, num_experts=48, top_k=8, router="sigmoid_group",
-        n_group=8, topk_group=4, routed_scaling_factor=2.5, num_shared_experts=1,
-    ),
 }
 # Tokens per rank: uneven, no multiple of any tile, rank 3 without tokens, rank 1 with one.
 GPU_COUNTS = [517, 1, 300, 0, 129, 700, 64, 255]
@@ -195,10 +180,10 @@ def fp32_truth(full: ExpertLayer, case: str) -> ExpertLayer:
 
 
 def emulated_gpu_world(case: str, world: int, skew: str = "none", workers: int | None = None,
-                       max_tokens: int = 768, wait_bound: int | None = None, tiles=None, backward_tiles=None):
+                       max_tokens: int = 768, wait_bound: int | None = None, tiles=None):
     """``(full, emulated, layers)``: the reference layer and one fused layer per rank of an
     emulated world on the current GPU, their workspaces built (a sync) before any run;
-    ``tiles`` and ``backward_tiles``: the forward's and the backward's (default: the GPU's)."""
+    ``tiles``: the forward's (default: the GPU's)."""
     from kosmos_moe.fabric import EmulatedWorld
 
     full = gpu_full_layer(case, world, skew)
@@ -207,7 +192,7 @@ def emulated_gpu_world(case: str, world: int, skew: str = "none", workers: int |
     for r in range(world):
         layer = ExpertLayer(**GPU_SHAPES[case], backend="kosmos", fabric=emulated.rank(r), max_tokens_per_rank=max_tokens,
                             workers_per_rank=workers, dtype=torch.bfloat16, device="cuda",
-                            fused_options=dict(wait_bound=wait_bound, tiles=tiles, backward_tiles=backward_tiles))
+                            fused_options=dict(wait_bound=wait_bound, tiles=tiles))
         layer.load_full_state_dict(full.state_dict())
         layers.append(layer)
     for layer in layers:

@@ -301,22 +301,20 @@ def test_rehearsal_covers_the_fused_step():
     run_world(2, check_rehearsal_covers_the_step, [(case, "none") for case in CASES], env=INTERPRET)
 
 
-def check_gemm_operands(rank, world, items, tma, block_loops, weight_tma=False):
+def check_gemm_operands(rank, world, items, tma, block_loops):
     import dataclasses
 
     from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
 
     # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters.
-    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma and not weight_tma,
-                                weight_tma=weight_tma, wgrad_block_loops=block_loops,
-                                swiglu_epilogue_cols=8 if block_loops else 16)
+    tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma,
+                                wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16)
     check_cases(rank, world, items, backward_tiles=tiles)
     _, fused = build(world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
     launch.prepare(torch.float32)
     consts = launch._common_constexprs(torch.float32)  # what each launch passes
-    assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is (tma and not weight_tma)
-    assert consts["W_TMA"] is weight_tma and consts["PROXY_FENCE"] is False
+    assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is tma and consts["PROXY_FENCE"] is False
 
 
 @pytest.mark.parametrize("tma, block_loops", [(False, False), (True, True)],
@@ -328,14 +326,6 @@ def test_backward_gemm_operands(tma, block_loops):
     reduces each weight-gradient strip in one flat loop (wgrad_block_loops off) and runs the
     SwiGLU-backward epilogue in column halves (swiglu_epilogue_cols), the defaults until stop 34."""
     run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, block_loops, env=INTERPRET)
-
-
-def test_backward_weight_descriptors():
-    """The dx and SwiGLU-backward tiles' weight blocks through host descriptors over every local
-    expert's weights (BackwardTiles.weight_tma): each expert's blocks from its own rows, the
-    last column block of Wd zero-filled past I; every expert with rows, then one with most."""
-    run_world(2, check_gemm_operands, [("aligned_widths", "none"), ("aligned_widths", "one_expert")], True, True,
-              True, env=INTERPRET)
 
 
 def check_kept_rows(rank, world, items, save_gate_up, save_shared):

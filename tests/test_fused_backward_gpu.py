@@ -39,9 +39,8 @@ REPLICATED = ("gate.weight", "shared_experts.gate_proj.weight", "shared_experts.
 ROUTER_MIN_TOKENS = 64
 
 
-def make_world(case, world, skew="none", max_tokens=768, workers=None, backward_tiles=None):
-    full, emulated, layers = emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND,
-                                                backward_tiles=backward_tiles)
+def make_world(case, world, skew="none", max_tokens=768, workers=None):
+    full, emulated, layers = emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND)
     return full, fp32_truth(full, case), emulated, layers
 
 
@@ -148,9 +147,8 @@ def check_against_reference(full, truth, layers, batches, outs, x_grads, what):
             assert_within(p.grad, ref_own[name], tru_own[name], f"{what} rank {r}: {name} (own tokens)")
 
 
-def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_tokens=768, workers=None,
-          backward_tiles=None):
-    full, truth, emulated, layers = make_world(case, world, skew, max_tokens, workers, backward_tiles)
+def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_tokens=768, workers=None):
+    full, truth, emulated, layers = make_world(case, world, skew, max_tokens, workers)
     counts = counts or COUNTS[:world]
     what = f"{case} world {world} skew {skew} {pattern}"
     if pattern == "fused":
@@ -256,20 +254,3 @@ def test_backward_is_deterministic(world):
 def test_deepseek_v3_like_shape():
     """64 experts, top-8 of 4 of 8 groups, 1 shared expert, 8 ranks of ~1000 tokens (one empty, one of 1)."""
     check("deepseek_v3_like", 8, counts=DEEPSEEK_COUNTS, max_tokens=1024)
-
-
-@pytest.mark.parametrize("world", [1, 4])
-def test_weight_descriptors(world):
-    """The dx and SwiGLU-backward tiles' weight blocks through host descriptors with 256-byte L2
-    promotion (BackwardTiles.weight_tma): every expert's blocks from its own rows, Wd's last
-    column block zero-filled past I, results as close as the default's."""
-    from dataclasses import replace
-
-    from kosmos_moe import tma_promotion
-    from kosmos_moe.workspace import GPU_BACKWARD_TILES
-
-    before = tma_promotion.rewrites
-    layers = check("aligned_widths", world, calls=2, backward_tiles=replace(GPU_BACKWARD_TILES, weight_tma=True))
-    assert layers[0].fused().backward._common_constexprs(torch.bfloat16)["W_TMA"]
-    assert tma_promotion.status() is None, tma_promotion.status()
-    assert tma_promotion.rewrites > before, "no weight descriptor was re-encoded"
