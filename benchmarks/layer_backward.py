@@ -37,6 +37,9 @@ from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES
 # differ from the default. The backward's dx and SwiGLU-backward tiles read their weights by
 # plain loads: TMA weight blocks made them slower on the H200 (8.8 vs 8.2 and 5.1 vs 4.8 ms
 # per worker, DeepSeek-V3 one-rank view), and so did TMA for both operands (``tile_tma``).
+# Host descriptors for their weights with 256-byte L2 promotion, as the forward's, did not help
+# where the weights stream from HBM either (H100 80GB, stop 45, forward+backward ms against
+# pointer loads: DeepSeek-V3 256 experts 36.09 / 35.64, Qwen3 128 experts 11.11 / 11.03).
 # The tile variants change one backward tile size each; those that an offline sm_90 compile
 # showed to serialize the kernel's wgmma for lack of registers (ptxas C7512: 128 x 256 or
 # 256 x 128 weight-gradient tiles beside the default router-gradient tiles, 128-column

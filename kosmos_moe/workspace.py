@@ -127,9 +127,10 @@ class Tiles:
     # Bytes the L2 cache fetches per TMA miss on the weight descriptors (kosmos_moe.tma_promotion).
     # Triton encodes 128, one k-step of a weight row (64 bf16 columns); 256 also brings the row's
     # next step into L2 ahead of its copy, where the weights stream from HBM (128 and 256
-    # experts). H100 80GB, stop 45, layer_forward.py, one process, forward device ms 128 / 256:
-    # DeepSeek-V3 256 experts 10.91 / 10.24, Qwen3 128 3.06 / 3.00, DeepSeek-V3 32 5.45 / 5.47,
-    # Qwen3 16 2.11 / 2.13 (variant weights_l2_128 runs Triton's).
+    # experts). H100 80GB, stop 45, layer_forward.py, forward device ms 128 / 256, one process
+    # each: DeepSeek-V3 256 experts 10.91 / 10.24 and 10.36 / 10.26, Qwen3 128 3.06 / 3.00 and
+    # 3.06 / 3.02; DeepSeek-V3 32 5.45 / 5.47, Qwen3 16 2.11 / 2.13 (variant weights_l2_128 runs
+    # Triton's). Values other than 0, 64, 128 and 256 are refused here.
     weight_l2_promotion: int = 256
 
     def __post_init__(self) -> None:
