@@ -119,7 +119,8 @@ from .tile_gemm import (
 # ``profile_ptr`` and one to slot ``16 + kind``. Slot 0 is passes that found nothing ready.
 PROFILE_SLOTS = ("idle", "route", "count_exchange", "dispatch", "gate_up", "down",
                  "shared_gate_up", "shared_down", "fold", "gate_up_epilogue", "down_epilogue",
-                 "idle_gate_up_held", "idle_down_held", "idle_fold_or_shared_held", "idle_nothing_held")
+                 "idle_gate_up_held", "idle_down_held", "idle_fold_or_shared_held", "idle_nothing_held",
+                 "idle_gate_up_held_after_first")
 # Parts of the routed GEMM tasks' time above (not passes of their own): from a tile's last
 # dot to the end of its stores (a down tile's: and of its arrival signals to the source ranks).
 PROFILE_GATE_UP_EPILOGUE = tl.constexpr(PROFILE_SLOTS.index("gate_up_epilogue"))
@@ -131,6 +132,11 @@ PROFILE_IDLE_GATE_UP = tl.constexpr(PROFILE_SLOTS.index("idle_gate_up_held"))
 PROFILE_IDLE_DOWN = tl.constexpr(PROFILE_SLOTS.index("idle_down_held"))
 PROFILE_IDLE_TAIL = tl.constexpr(PROFILE_SLOTS.index("idle_fold_or_shared_held"))
 PROFILE_IDLE_NOTHING = tl.constexpr(PROFILE_SLOTS.index("idle_nothing_held"))
+# The part of "idle_gate_up_held" after the worker's first gate/up tile: at EP=1 only the
+# route phase should leave a GATE_UP ticket waiting, so what lands here is a wait on dispatch
+# chunks later on (stops 40 and 45 saw 1.7-3.8 ms of "idle_gate_up_held" per worker with 4
+# gate/up stages at DeepSeek-V3 256 experts).
+PROFILE_IDLE_GATE_UP_LATE = tl.constexpr(PROFILE_SLOTS.index("idle_gate_up_held_after_first"))
 
 # Queue slots in the control block.
 Q_FEED = tl.constexpr(0)
@@ -306,6 +312,7 @@ def expert_forward_kernel(
 
     running = 1
     idle = 0
+    ran_gate_up = 0  # PROFILE: whether this worker has run a routed gate/up tile yet
     held_gu = -1   # the ticket this worker holds in each claimed-by-ticket queue (-1: none)
     held_dn = -1
     held_sdn = -1
@@ -570,6 +577,11 @@ def expert_forward_kernel(
                                                  PROFILE_IDLE_NOTHING)))
                 tl.atomic_add(profile_ptr + why, t_spent, sem="relaxed")
                 tl.atomic_add(profile_ptr + 16 + why, 1, sem="relaxed")
+                if (held_gu >= 0) & (ran_gate_up != 0):
+                    tl.atomic_add(profile_ptr + PROFILE_IDLE_GATE_UP_LATE, t_spent, sem="relaxed")
+                    tl.atomic_add(profile_ptr + 16 + PROFILE_IDLE_GATE_UP_LATE, 1, sem="relaxed")
+            if did == 4:
+                ran_gate_up = 1
 
     # ---- Leave; the last worker out resets the counters for the next call. ----
     tl.debug_barrier()
