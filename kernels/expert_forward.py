@@ -273,7 +273,7 @@ def expert_forward_kernel(
     BT: tl.constexpr, BK_R: tl.constexpr, R_STAGES: tl.constexpr, BR: tl.constexpr, BH: tl.constexpr,
     BM: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
     BHF: tl.constexpr, STAGES: tl.constexpr, DN_STAGES: tl.constexpr,
-    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr,
+    TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr, HELD_CHUNK_FIRST: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -334,15 +334,20 @@ def expert_forward_kernel(
         if known == 0:
             known, flags, table = poll_counts(ctl, epoch, par, me, W, W_PAD, E, E_L, EL_PAD, C_FLAG, C_TABLE, SCOPE)
             n_el, tiles_el, tile_start_el, row_start_el, cum_gu, cum_dn, n_gu, n_dn = expert_tasks(table, BM, N_IB, N_HB)
+        # A dispatch chunk held from before the counts were in, now runnable: it goes ahead of
+        # every tile (Tiles.held_chunk_first), since its expert's gate/up tiles, and all that
+        # follows them, wait for it. ``did`` -1 makes every section but FEED skip this pass.
+        if HELD_CHUNK_FIRST:
+            did = tl.where((held_feed >= 0) & (known != 0), -1, 0)
 
         # ---- FOLD ----
         # Looked at once this worker has found the DOWN queue taken to its end: a block's rows
         # come from down tiles all along that queue, so a look before then is one wasted round
         # trip in every pass of every task.
         f = held_f
-        if (open_q & OPEN_DOWN) == 0:
+        if ((open_q & OPEN_DOWN) == 0) & (did == 0):
             f, open_q = _claim(heads + Q_FOLD, held_f, n_fold, open_q, OPEN_FOLD)
-        if f >= 0:
+        if (f >= 0) & (did == 0):
             toks = f * BTF + tl.arange(0, BTF)
             tok_ok = toks < n_tokens
             arr = tl.atomic_add(ctl + C_COMB_ARR + w_idx[:, None] * T_MAX + toks[None, :], 0,
@@ -442,7 +447,8 @@ def expert_forward_kernel(
             held_gu = g
 
         # ---- FEED: route tiles, count exchange, dispatch chunks ----
-        if did == 0:
+        if did <= 0:
+            did = 0
             a, open_q = _claim(heads + Q_FEED, held_feed, n_feed, open_q, OPEN_FEED)
             if (a > n_route) & (known == 0):
                 # A dispatch chunk before every rank's counts are in: keep the ticket and

@@ -132,6 +132,16 @@ class Tiles:
     # 3.06 / 3.02; DeepSeek-V3 32 5.45 / 5.47, Qwen3 16 2.11 / 2.13 (variant weights_l2_128 runs
     # Triton's). Values other than 0, 64, 128 and 256 are refused here.
     weight_l2_promotion: int = 256
+    # A dispatch chunk a worker took before every rank's counts were in runs first once they
+    # are, ahead of any tile: every gate/up tile of its expert waits for it. Without this the
+    # holder ran it only at its next pass that found nothing else ready, and a holder that
+    # kept finding tiles ready could leave an expert's rows unannounced while every other
+    # worker's GATE_UP ticket reached that expert (stops 40 and 45: 1.7-3.8 ms idle per
+    # worker holding GATE_UP tickets at DeepSeek-V3 256 experts with 4 gate/up stages). H100
+    # 80GB, stop 46, layer_forward.py variant held_chunk_later (the old order), one process,
+    # forward device ms first / later: DeepSeek-V3 256 experts 10.11 / 10.15 (4 stages 10.45 /
+    # 10.65), Qwen3 128 3.00 / 3.01 (2.96 / 2.99); that run's 4-stage kernel idled at neither.
+    held_chunk_first: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -143,7 +153,7 @@ class Tiles:
             BT=self.route_tokens, BK_R=self.route_depth, R_STAGES=self.route_stages, BR=self.dispatch_rows,
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
-            GU_ONE_DOT=self.gate_up_one_dot, num_warps=self.warps,
+            GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first, num_warps=self.warps,
         )
 
 

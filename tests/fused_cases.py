@@ -72,8 +72,9 @@ CASES = {
         counts=[16, 9, 30, 2], workers=2,
         # The pointer-load weight tiles (GPUs before Hopper, rows of no multiple of 16 bytes),
         # two dots per gate/up step; softmax_rows32 has them with one dot. The other cases read
-        # weights by TMA, as on the H200.
-        tiles=replace(INTERPRETER_TILES, tma=False, gate_up_one_dot=False),
+        # weights by TMA, as on the H200. Dispatch chunks held from the route phase run at
+        # their holder's next idle pass, the order before Tiles.held_chunk_first.
+        tiles=replace(INTERPRETER_TILES, tma=False, gate_up_one_dot=False, held_chunk_first=False),
     ),
     # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles;
     # one-dot gate/up tiles by pointer loads.
