@@ -142,6 +142,11 @@ class Tiles:
     # forward device ms first / later: DeepSeek-V3 256 experts 10.11 / 10.15 (4 stages 10.45 /
     # 10.65), Qwen3 128 3.00 / 3.01 (2.96 / 2.99); that run's 4-stage kernel idled at neither.
     held_chunk_first: bool = True
+    # The combine rows (top_k + shared per token: 470 MB at DeepSeek-V3's 4096 tokens) are
+    # written by the down tiles and read once by the fold: with an L2 evict-first policy on both,
+    # they stop pushing the weight blocks and rows the tiles reuse out of L2 (as the backward's
+    # weight-gradient stores, BackwardTiles.wgrad_evict_first).
+    combine_evict_first: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -153,7 +158,8 @@ class Tiles:
             BT=self.route_tokens, BK_R=self.route_depth, R_STAGES=self.route_stages, BR=self.dispatch_rows,
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
-            GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first, num_warps=self.warps,
+            GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
+            COMB_EVICT_FIRST=self.combine_evict_first, num_warps=self.warps,
         )
 
 
@@ -366,6 +372,9 @@ class BackwardTiles:
     # Stop 43, H100 80GB, one run each: DeepSeek-V3 256 experts 37.13 / 37.63, Qwen3 128 experts
     # 11.30 / 11.25, DeepSeek-V3 32 experts 18.22 / 18.40, Qwen3 16 experts 7.47 / 7.47.
     wgrad_evict_first: bool = True
+    # The dx rows' combine buffer (top_k + 1 rows per token), written by the dx tiles and read
+    # once by the fold, with an L2 evict-first policy on both (as the forward's, Tiles.combine_evict_first).
+    combine_evict_first: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -383,7 +392,8 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, COMB_EVICT_FIRST=self.combine_evict_first,
+            num_warps=self.warps,
         )
 
 
