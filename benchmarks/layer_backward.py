@@ -93,11 +93,10 @@ VARIANTS = {
     # The weight-gradient blocks stored without the L2 evict-first policy (the default until
     # stop 42).
     "wgrad_keep_in_l2": _backward_tiles(wgrad_evict_first=False),
-    # The forward's and the backward's combine rows written and folded without the L2
-    # evict-first policy (Tiles.combine_evict_first, BackwardTiles.combine_evict_first; the
-    # default until stop 46).
-    "combine_keep_in_l2": {**_backward_tiles(combine_evict_first=False),
-                           "tiles": dataclasses.replace(GPU_TILES, combine_evict_first=False)},
+    # The forward's and the backward's combine rows written and folded with an L2 evict-first
+    # policy (Tiles.combine_evict_first, BackwardTiles.combine_evict_first).
+    "combine_evict_first": {**_backward_tiles(combine_evict_first=True),
+                            "tiles": dataclasses.replace(GPU_TILES, combine_evict_first=True)},
 }
 
 

@@ -145,8 +145,10 @@ class Tiles:
     # The combine rows (top_k + shared per token: 470 MB at DeepSeek-V3's 4096 tokens) are
     # written by the down tiles and read once by the fold: with an L2 evict-first policy on both,
     # they stop pushing the weight blocks and rows the tiles reuse out of L2 (as the backward's
-    # weight-gradient stores, BackwardTiles.wgrad_evict_first).
-    combine_evict_first: bool = True
+    # weight-gradient stores, BackwardTiles.wgrad_evict_first). Off until timed on a GPU
+    # (stop 46 found no machine for it): layer_forward.py / layer_backward.py variant
+    # combine_evict_first, gpu_session.sh stage variants-combine.
+    combine_evict_first: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -373,8 +375,9 @@ class BackwardTiles:
     # 11.30 / 11.25, DeepSeek-V3 32 experts 18.22 / 18.40, Qwen3 16 experts 7.47 / 7.47.
     wgrad_evict_first: bool = True
     # The dx rows' combine buffer (top_k + 1 rows per token), written by the dx tiles and read
-    # once by the fold, with an L2 evict-first policy on both (as the forward's, Tiles.combine_evict_first).
-    combine_evict_first: bool = True
+    # once by the fold, with an L2 evict-first policy on both (as the forward's,
+    # Tiles.combine_evict_first; off until timed).
+    combine_evict_first: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
