@@ -142,7 +142,7 @@ class Tiles:
     # forward device ms first / later: DeepSeek-V3 256 experts 10.11 / 10.15 (4 stages 10.45 /
     # 10.65), Qwen3 128 3.00 / 3.01 (2.96 / 2.99); that run's 4-stage kernel idled at neither.
     held_chunk_first: bool = True
-    # The combine rows (top_k + shared per token: 470 MB at DeepSeek-V3's 4096 tokens) are
+    # The combine rows (top_k + shared per token: 528 MB at DeepSeek-V3's 4096 tokens) are
     # written by the down tiles and read once by the fold: with an L2 evict-first policy on both,
     # they stop pushing the weight blocks and rows the tiles reuse out of L2 (as the backward's
     # weight-gradient stores, BackwardTiles.wgrad_evict_first). Off until timed on a GPU
