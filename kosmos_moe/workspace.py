@@ -136,11 +136,12 @@ class Tiles:
     # are, ahead of any tile: every gate/up tile of its expert waits for it. Without this the
     # holder ran it only at its next pass that found nothing else ready, and a holder that
     # kept finding tiles ready could leave an expert's rows unannounced while every other
-    # worker's GATE_UP ticket reached that expert (stops 40 and 45: 1.7-3.8 ms idle per
-    # worker holding GATE_UP tickets at DeepSeek-V3 256 experts with 4 gate/up stages). H100
-    # 80GB, stop 46, layer_forward.py variant held_chunk_later (the old order), one process,
-    # forward device ms first / later: DeepSeek-V3 256 experts 10.11 / 10.15 (4 stages 10.45 /
-    # 10.65), Qwen3 128 3.00 / 3.01 (2.96 / 2.99); that run's 4-stage kernel idled at neither.
+    # worker's GATE_UP ticket reached that expert. Stops 40 and 45 saw 1.7-3.8 ms idle per
+    # worker holding GATE_UP tickets at DeepSeek-V3 256 experts with 4 gate/up stages; whether
+    # held chunks caused it is not shown, since neither order idled at stop 46. H100 80GB,
+    # stop 46, layer_forward.py variant held_chunk_later (the old order), one process, forward
+    # device ms first / later: DeepSeek-V3 256 experts 10.11 / 10.15 (4 stages 10.45 / 10.65),
+    # Qwen3 128 3.00 / 3.01 (2.96 / 2.99).
     held_chunk_first: bool = True
     # The combine rows (top_k + shared per token: 528 MB at DeepSeek-V3's 4096 tokens) are
     # written by the down tiles and read once by the fold: with an L2 evict-first policy on both,
