@@ -97,11 +97,6 @@ VARIANTS = {
     # policy (Tiles.combine_evict_first, BackwardTiles.combine_evict_first).
     "combine_evict_first": {**_backward_tiles(combine_evict_first=True),
                             "tiles": dataclasses.replace(GPU_TILES, combine_evict_first=True)},
-    # An expert's last rows as a half tile in the dx and SwiGLU-backward tasks too
-    # (BackwardTiles.short_tail_tiles; the forward's are on by default).
-    "short_tails": _backward_tiles(short_tail_tiles=True),
-    # Neither the forward's nor the backward's last rows as half tiles (before stop 47).
-    "full_tails": {**_backward_tiles(), "tiles": dataclasses.replace(GPU_TILES, short_tail_tiles=False)},
 }
 
 

@@ -213,95 +213,6 @@ def recomputed_swiglu_backward(
     return part
 
 
-@triton.jit
-def routed_dx_rows(
-    ctl, peers_ptr, dgu, dw_part, w_gate_up_ptr, row0, n_rows, e, hb,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, W: tl.constexpr,
-    N_IB: tl.constexpr, C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr,
-    C_DW_ARR: tl.constexpr, B_COMB: tl.constexpr, B_DW_COMB: tl.constexpr,
-    ROWS: tl.constexpr, BN_DX: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, SCOPE: tl.constexpr, COMB_EVICT_FIRST: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
-):
-    """A DX tile: ``n_rows <= ROWS`` rows of ``[dg du]`` from ``row0`` (local expert ``e``) times
-    ``[Wg; Wu]``, H-block ``hb``, each row stored into its source rank's combine buffer; the
-    H-block-0 tile also sums each row's ``dw`` partials and sends ``dw``. Then the source is
-    signalled."""
-    DT = dgu.dtype.element_ty
-    acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows, w_gate_up_ptr + e.to(tl.int64) * 2 * I * H,
-                                 hb * BN_DX, 2 * I, H, ROWS, BN_DX, BK, DOT_DTYPE, STAGES, TMA)
-    t_epilogue = now() if PROFILE else 0
-    rows = row0 + tl.arange(0, ROWS)
-    row_ok = tl.arange(0, ROWS) < n_rows
-    src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
-    ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-    dst_rows, base, tok = combine_destination(peers_ptr, src, ent, DT, TOP_K, SLOTS, H, B_COMB, W)
-    cols = hb * BN_DX + tl.arange(0, BN_DX)
-    tl.store(dst_rows[:, None] + cols[None, :], acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :],
-             eviction_policy="evict_first" if COMB_EVICT_FIRST else "")
-    if hb == 0:
-        ib = tl.arange(0, 16)
-        dw = tl.zeros([ROWS], dtype=tl.float32)
-        for i0 in tl.static_range(0, N_IB, 16):  # fixed order: deterministic
-            part = tl.load(dw_part + rows.to(tl.int64)[:, None] * N_IB + (i0 + ib)[None, :],
-                           mask=row_ok[:, None] & ((i0 + ib) < N_IB)[None, :], other=0.0)
-            dw += tl.sum(part, axis=1)
-        dw_dst = (base + B_DW_COMB + ent.to(tl.int64) * 4).to(tl.pointer_type(tl.float32))
-        tl.store(dw_dst, dw, mask=row_ok)
-    tl.debug_barrier()
-    arrive = (base + (C_COMB_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
-    tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-    if hb == 0:
-        dw_arrive = (base + (C_DW_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
-        tl.atomic_add(dw_arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
-    if PROFILE:
-        tl.atomic_add(profile_ptr + PROFILE_DX_EPILOGUE, now() - t_epilogue, sem="relaxed")
-
-
-@triton.jit
-def routed_swiglu_backward_rows(
-    ctl, recv_w, recv_x, recv_g, saved_ptr, slot_ptr, save_cap, w_gate_up_ptr, w_down_ptr, hw, dgu, dw_part,
-    row0, n_rows, e, ib,
-    H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, T_MAX: tl.constexpr, N_IB: tl.constexpr,
-    C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, SAVED: tl.constexpr,
-    ROWS: tl.constexpr, BN_DH: tl.constexpr, BN_EPI: tl.constexpr, BN_RC: tl.constexpr, BK: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, DX_STAGES: tl.constexpr, TMA: tl.constexpr,
-    PROFILE: tl.constexpr, profile_ptr,
-):
-    """A DH tile: ``n_rows <= ROWS`` received rows from ``row0`` of local expert ``e``, I-block
-    ``ib``: ``w h`` and ``[dg du]`` of those columns, and each row's partial ``dw`` into
-    ``dw_part``. The gate and up projections come from where the forward kept them, or are
-    recomputed for a tile with a row it did not keep."""
-    rows = row0 + tl.arange(0, ROWS)
-    row_ok = tl.arange(0, ROWS) < n_rows
-    w_dn = w_down_ptr + e.to(tl.int64) * H * I
-    wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
-    r64 = rows.to(tl.int64)[:, None]
-    fwd = rows
-    if SAVED != SAVED_NONE:
-        # Where the forward kept each row's gate and up projections.
-        src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
-        ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
-        fwd = tl.load(slot_ptr + src.to(tl.int64) * (T_MAX * TOP_K) + ent, mask=row_ok, other=0)
-    kept = saved_ptr + fwd.to(tl.int64) * (2 * I)
-    g_rows = recv_g + row0.to(tl.int64) * H
-    if SAVED == SAVED_ALL:
-        part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw, dgu, H, I, ROWS,
-                                    BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES, TMA, PROFILE, profile_ptr)
-    else:
-        use_kept = False
-        if SAVED == SAVED_SOME:
-            use_kept = (tl.max(tl.where(row_ok, fwd, 0), axis=0) < save_cap) & (save_cap > 0)
-        if use_kept:
-            part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw, dgu, H, I, ROWS,
-                                        BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES, TMA, PROFILE, profile_ptr)
-        else:
-            w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
-            part = recomputed_swiglu_backward(recv_x + rows.to(tl.int64) * H, recv_g + rows.to(tl.int64) * H, n_rows,
-                                              w_e, w_dn, wgt, r64, row_ok, ib * BN_DH, hw, dgu,
-                                              H, I, ROWS, BN_DH, BN_RC, BK, DOT_DTYPE, STAGES)
-    tl.store(dw_part + rows.to(tl.int64) * N_IB + ib, part, mask=row_ok)
-
-
 @triton.jit(do_not_specialize=["n_tokens", "me", "wait_bound", "save_cap"])
 def expert_backward_kernel(
     x_ptr, g_ptr, dx_ptr, topk_e_ptr, topk_w_ptr, logits_ptr, n_tokens, saved_ptr, slot_ptr, save_cap,
@@ -329,7 +240,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False, COMB_EVICT_FIRST: tl.constexpr = False, SHORT_TAILS: tl.constexpr = False,
+    WG_EVICT_FIRST: tl.constexpr = False, COMB_EVICT_FIRST: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -439,17 +350,35 @@ def expert_backward_kernel(
                             async_proxy_fence()
                         row0 = pick(row_start_el, el_idx, e) + m * BM
                         n_rows = tl.minimum(pick(n_el, el_idx, e) - m * BM, BM)
-                        # An expert's last few rows as a half tile (BackwardTiles.short_tail_tiles).
-                        if SHORT_TAILS and n_rows <= BM // 2:
-                            routed_dx_rows(ctl, peers_ptr, dgu, dw_part, w_gate_up_ptr, row0, n_rows, e, hb, H, I,
-                                           TOP_K, SLOTS, W, N_IB, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, C_DW_ARR,
-                                           B_COMB, B_DW_COMB, BM // 2, BN_DX, BK, DOT_DTYPE, DX_STAGES, TILE_TMA,
-                                           SCOPE, COMB_EVICT_FIRST, PROFILE, profile_ptr)
-                        else:
-                            routed_dx_rows(ctl, peers_ptr, dgu, dw_part, w_gate_up_ptr, row0, n_rows, e, hb, H, I,
-                                           TOP_K, SLOTS, W, N_IB, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, C_DW_ARR,
-                                           B_COMB, B_DW_COMB, BM, BN_DX, BK, DOT_DTYPE, DX_STAGES, TILE_TMA,
-                                           SCOPE, COMB_EVICT_FIRST, PROFILE, profile_ptr)
+                        acc = rows_times_weight_tile(dgu + row0.to(tl.int64) * (2 * I), n_rows,
+                                                     w_gate_up_ptr + e.to(tl.int64) * 2 * I * H, hb * BN_DX,
+                                                     2 * I, H, BM, BN_DX, BK, DOT_DTYPE, DX_STAGES, TILE_TMA)
+                        t_epilogue = now() if PROFILE else 0
+                        rows = row0 + tl.arange(0, BM)
+                        row_ok = tl.arange(0, BM) < n_rows
+                        src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+                        ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+                        dst_rows, base, tok = combine_destination(peers_ptr, src, ent, DT, TOP_K, SLOTS, H, B_COMB, W)
+                        cols = hb * BN_DX + tl.arange(0, BN_DX)
+                        tl.store(dst_rows[:, None] + cols[None, :], acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :],
+                                 eviction_policy="evict_first" if COMB_EVICT_FIRST else "")
+                        if hb == 0:
+                            ib = tl.arange(0, 16)
+                            dw = tl.zeros([BM], dtype=tl.float32)
+                            for i0 in tl.static_range(0, N_IB, 16):  # fixed order: deterministic
+                                part = tl.load(dw_part + rows.to(tl.int64)[:, None] * N_IB + (i0 + ib)[None, :],
+                                               mask=row_ok[:, None] & ((i0 + ib) < N_IB)[None, :], other=0.0)
+                                dw += tl.sum(part, axis=1)
+                            dw_dst = (base + B_DW_COMB + ent.to(tl.int64) * 4).to(tl.pointer_type(tl.float32))
+                            tl.store(dw_dst, dw, mask=row_ok)
+                        tl.debug_barrier()
+                        arrive = (base + (C_COMB_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+                        tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                        if hb == 0:
+                            dw_arrive = (base + (C_DW_ARR + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
+                            tl.atomic_add(dw_arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
+                        if PROFILE:
+                            tl.atomic_add(profile_ptr + PROFILE_DX_EPILOGUE, now() - t_epilogue, sem="relaxed")
                         did = 5
                         q = -1
                 held_dx = q
@@ -522,18 +451,38 @@ def expert_backward_kernel(
                         m = local % n_tiles_e
                         row0 = pick(row_start_el, el_idx, e) + m * BM
                         n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                        if SHORT_TAILS and n_rows <= BM // 2:  # as in DX
-                            routed_swiglu_backward_rows(
-                                ctl, recv_w, recv_x, recv_g, saved_ptr, slot_ptr, save_cap, w_gate_up_ptr, w_down_ptr,
-                                hw, dgu, dw_part, row0, n_rows, e, ib, H, I, TOP_K, T_MAX, N_IB, C_RECV_SRC,
-                                C_RECV_ENT, SAVED, BM // 2, BN_DH, BN_EPI, BN_RC, BK, DOT_DTYPE, STAGES, DX_STAGES,
-                                TILE_TMA, PROFILE, profile_ptr)
+                        rows = row0 + tl.arange(0, BM)
+                        row_ok = tl.arange(0, BM) < n_rows
+                        w_dn = w_down_ptr + e.to(tl.int64) * H * I
+                        wgt = tl.load(recv_w + rows, mask=row_ok, other=0.0)
+                        r64 = rows.to(tl.int64)[:, None]
+                        fwd = rows
+                        if SAVED != SAVED_NONE:
+                            # Where the forward kept each row's gate and up projections.
+                            src = tl.load(ctl + C_RECV_SRC + rows, mask=row_ok, other=0)
+                            ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
+                            fwd = tl.load(slot_ptr + src.to(tl.int64) * (T_MAX * TOP_K) + ent, mask=row_ok, other=0)
+                        kept = saved_ptr + fwd.to(tl.int64) * (2 * I)
+                        g_rows = recv_g + row0.to(tl.int64) * H
+                        if SAVED == SAVED_ALL:
+                            part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw,
+                                                        dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
+                                                        TILE_TMA, PROFILE, profile_ptr)
                         else:
-                            routed_swiglu_backward_rows(
-                                ctl, recv_w, recv_x, recv_g, saved_ptr, slot_ptr, save_cap, w_gate_up_ptr, w_down_ptr,
-                                hw, dgu, dw_part, row0, n_rows, e, ib, H, I, TOP_K, T_MAX, N_IB, C_RECV_SRC,
-                                C_RECV_ENT, SAVED, BM, BN_DH, BN_EPI, BN_RC, BK, DOT_DTYPE, STAGES, DX_STAGES,
-                                TILE_TMA, PROFILE, profile_ptr)
+                            use_kept = False
+                            if SAVED == SAVED_SOME:
+                                use_kept = (tl.max(tl.where(row_ok, fwd, 0), axis=0) < save_cap) & (save_cap > 0)
+                            if use_kept:
+                                part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
+                                                            hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
+                                                            TILE_TMA, PROFILE, profile_ptr)
+                            else:
+                                w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
+                                part = recomputed_swiglu_backward(recv_x + rows.to(tl.int64) * H,
+                                                                  recv_g + rows.to(tl.int64) * H, n_rows,
+                                                                  w_e, w_dn, wgt, r64, row_ok, ib * BN_DH, hw, dgu,
+                                                                  H, I, BM, BN_DH, BN_RC, BK, DOT_DTYPE, STAGES)
+                        tl.store(dw_part + rows.to(tl.int64) * N_IB + ib, part, mask=row_ok)
                         tl.debug_barrier()
                         tl.atomic_add(ctl + C_DH_DONE + pick(tile_start_el, el_idx, e) + m, 1, sem="release", scope="gpu")
                         tl.atomic_add(ctl + C_DH_EXP + e, 1, sem="release", scope="gpu")

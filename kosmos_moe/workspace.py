@@ -390,15 +390,9 @@ class BackwardTiles:
     # once by the fold, with an L2 evict-first policy on both (as the forward's,
     # Tiles.combine_evict_first; off until timed).
     combine_evict_first: bool = False
-    # An expert's last row tile of at most rows / 2 rows as a half tile in the dx and
-    # SwiGLU-backward tasks (as the forward's, Tiles.short_tail_tiles; off until timed).
-    short_tail_tiles: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
-        if self.short_tail_tiles and self.rows < 32:
-            raise ValueError(f"BackwardTiles: short_tail_tiles needs rows >= 32 (half tiles of >= 16 rows), "
-                             f"got rows={self.rows}")
         if self.swiglu_cols % self.recompute_cols:
             raise ValueError(
                 f"swiglu_cols={self.swiglu_cols} must be a multiple of recompute_cols={self.recompute_cols}")
@@ -414,7 +408,7 @@ class BackwardTiles:
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
             WG_EVICT_FIRST=self.wgrad_evict_first, COMB_EVICT_FIRST=self.combine_evict_first,
-            SHORT_TAILS=self.short_tail_tiles, num_warps=self.warps,
+            num_warps=self.warps,
         )
 
 

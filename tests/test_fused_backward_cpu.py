@@ -307,20 +307,11 @@ def check_gemm_operands(rank, world, items, tma, block_loops):
     from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
 
     # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters; the
-    # TMA run also writes and folds its combine rows with an L2 evict-first policy. Both run
-    # 32-row tiles, an expert's last rows as a half tile where they fit one.
+    # TMA run also writes and folds its combine rows with an L2 evict-first policy.
     tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma,
                                 wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16,
-                                combine_evict_first=tma, rows=32, short_tail_tiles=True)
-    half_tiles = torch.zeros((), dtype=torch.int64)
-    for case, skew in items:
-        fused = check_case(rank, world, case, skew, backward_tiles=tiles)
-        received = fused.tokens_per_expert.clone()
-        dist.all_reduce(received)
-        tails = received.view(world, -1)[rank] % tiles.rows
-        half_tiles += ((tails > 0) & (tails <= tiles.rows // 2)).sum()
-    dist.all_reduce(half_tiles)
-    assert half_tiles > 0, "no expert ran a half tile"
+                                combine_evict_first=tma)
+    check_cases(rank, world, items, backward_tiles=tiles)
     _, fused = build(world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
     launch.prepare(torch.float32)
