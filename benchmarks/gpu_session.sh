@@ -39,9 +39,6 @@
 #   variants-combine layer_forward.py on the four EP=1 cases and layer_backward.py at 256 and
 #                    128 experts, the default against the combine rows written and folded with
 #                    an L2 evict-first policy (Tiles.combine_evict_first, added at stop 46)
-#   variants-tails   the forward GPU suite's emulated worlds, then layer_forward.py on the four
-#                    EP=1 cases, the default (an expert's last rows as a half tile where they fit
-#                    one, Tiles.short_tail_tiles, since stop 47) against full-height last tiles
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
@@ -87,9 +84,6 @@ run_stage() {
                               --out "$out/variants_combine.json" --variants default combine_evict_first && \
                           python benchmarks/layer_backward.py --cases dsv3_full qwen3_full \
                               --out "$out/variants_combine_backward.json" --variants default combine_evict_first ;;
-        variants-tails) python -m pytest -q tests/test_fused_gpu.py -k emulated_world && \
-                        python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                            --out "$out/variants_tails.json" --variants default full_tails ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \

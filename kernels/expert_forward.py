@@ -275,7 +275,7 @@ def expert_forward_kernel(
     BM: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
     BHF: tl.constexpr, STAGES: tl.constexpr, DN_STAGES: tl.constexpr,
     TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr, HELD_CHUNK_FIRST: tl.constexpr,
-    COMB_EVICT_FIRST: tl.constexpr, SHORT_TAILS: tl.constexpr,
+    COMB_EVICT_FIRST: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -384,17 +384,10 @@ def expert_forward_kernel(
                     nxt = take_ticket(heads + Q_DOWN, open_q, OPEN_DOWN)
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    # An expert's last few rows as a half tile (Tiles.short_tail_tiles).
-                    if SHORT_TAILS and n_rows <= BM // 2:
-                        routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr,
-                                         me, H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
-                                         BM // 2, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr,
-                                         COMB_EVICT_FIRST)
-                    else:
-                        routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr,
-                                         me, H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
-                                         BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr,
-                                         COMB_EVICT_FIRST)
+                    routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
+                                     H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
+                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr,
+                                     COMB_EVICT_FIRST)
                     q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q
@@ -449,16 +442,10 @@ def expert_forward_kernel(
                     m = local % n_tiles_e
                     row0 = _pick(row_start_el, el_idx, e) + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
-                    if SHORT_TAILS and n_rows <= BM // 2:  # as in DOWN
-                        routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr,
-                                            w_gate_up_desc, h_r, saved_ptr, slot_ptr, save_cap, H, I, TOP_K, T_MAX,
-                                            C_RECV_SRC, C_RECV_ENT, BM // 2, BN_GU, BK, DOT_DTYPE, STAGES, TMA,
-                                            ROWS_ALIGNED, GU_ONE_DOT, PROFILE, profile_ptr)
-                    else:
-                        routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr,
-                                            w_gate_up_desc, h_r, saved_ptr, slot_ptr, save_cap, H, I, TOP_K, T_MAX,
-                                            C_RECV_SRC, C_RECV_ENT, BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA,
-                                            ROWS_ALIGNED, GU_ONE_DOT, PROFILE, profile_ptr)
+                    routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
+                                        h_r, saved_ptr, slot_ptr, save_cap, H, I, TOP_K, T_MAX, C_RECV_SRC, C_RECV_ENT,
+                                        BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA, ROWS_ALIGNED, GU_ONE_DOT,
+                                        PROFILE, profile_ptr)
                     signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
                     g, open_q = settle_ticket(nxt, n_gu, open_q, OPEN_GATE_UP)
                     did = 4

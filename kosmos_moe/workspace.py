@@ -150,18 +150,9 @@ class Tiles:
     # (stop 46 found no machine for it): layer_forward.py / layer_backward.py variant
     # combine_evict_first, gpu_session.sh stage variants-combine.
     combine_evict_first: bool = False
-    # A routed tile's last row tile of an expert with at most rows / 2 rows left runs as a tile
-    # of rows / 2 (m64 wgmma at 128): those tiles are most of the row tiles' padding. With about
-    # 128 rows per expert (DeepSeek-V3 256 experts, 4096 tokens) every expert past 128 rows ends
-    # in a tile of a few rows, a third of the routed tiles; at 256 rows (Qwen3 128) about a
-    # fifth; at 1024 (DeepSeek-V3 32) a twentieth. Needs rows >= 32 (tl.dot takes M >= 16).
-    short_tail_tiles: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
-        if self.short_tail_tiles and self.rows < 32:
-            raise ValueError(f"Tiles: short_tail_tiles needs rows >= 32 (half tiles of >= 16 rows), "
-                             f"got rows={self.rows}")
 
     def kernel_constants(self) -> dict:
         """The forward kernel's tile constants (``num_warps`` included; ``TMA`` and the row
@@ -171,8 +162,7 @@ class Tiles:
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
             GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
-            COMB_EVICT_FIRST=self.combine_evict_first, SHORT_TAILS=self.short_tail_tiles,
-            num_warps=self.warps,
+            COMB_EVICT_FIRST=self.combine_evict_first, num_warps=self.warps,
         )
 
 
@@ -183,7 +173,6 @@ GPU_TILES = Tiles()
 INTERPRETER_TILES = Tiles(
     route_tokens=16, route_depth=16, route_stages=1, dispatch_rows=16, dispatch_cols=32, rows=16, gate_up_cols=16,
     down_cols=16, depth=16, fold_tokens=16, fold_cols=32, stages=1, down_stages=1, warps=1,
-    short_tail_tiles=False,
 )
 
 

@@ -52,11 +52,9 @@ def skew_tokens(x: torch.Tensor) -> torch.Tensor:
 CASES = {
     "softmax": dict(
         shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
-        # The GPU's tiles: routed gate/up tiles as one dot of both blocks, weights by TMA
-        # through a [2E, I, H] descriptor (I = 20 leaves a half-empty second column block), an
-        # expert's last rows as a half tile where they fit one (16 of 32 rows).
+        # The default tiles: routed gate/up tiles as one dot of both blocks, weights by TMA
+        # through a [2E, I, H] descriptor (I = 20 leaves a half-empty second column block).
         counts=[37, 5, 0, 19], workers=1,
-        tiles=replace(INTERPRETER_TILES, rows=32, short_tail_tiles=True),
     ),
     "softmax_shared": dict(
         shape=dict(hidden_size=40, moe_intermediate_size=12, num_experts=8, top_k=2, num_shared_experts=2),
@@ -78,13 +76,12 @@ CASES = {
         # their holder's next idle pass, the order before Tiles.held_chunk_first.
         tiles=replace(INTERPRETER_TILES, tma=False, gate_up_one_dot=False, held_chunk_first=False),
     ),
-    # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles,
-    # half tiles for last tiles of up to 16 rows; one-dot gate/up tiles by pointer loads;
-    # combine rows with an L2 evict-first policy.
+    # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles;
+    # one-dot gate/up tiles by pointer loads; combine rows with an L2 evict-first policy.
     "softmax_rows32": dict(
         shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
         counts=[75, 9, 0, 30], workers=2,
-        tiles=replace(INTERPRETER_TILES, rows=32, tma=False, combine_evict_first=True, short_tail_tiles=True),
+        tiles=replace(INTERPRETER_TILES, rows=32, tma=False, combine_evict_first=True),
     ),
 }
 
