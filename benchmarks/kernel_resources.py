@@ -1,7 +1,7 @@
 """Compile the fused kernels for sm_90 on any machine (no GPU needed) and report what limits their GEMMs.
 
-Per kernel: registers per thread, spill stores and loads, shared memory per block, every
-ptxas performance warning, and each loop that issues wgmma, with whether it keeps a wgmma in
+Per kernel: registers per thread, spill stores and loads, shared memory per block, bytes of
+machine code, every ptxas performance warning, and each loop that issues wgmma, with whether it keeps a wgmma in
 flight across iterations. The kernels are compiled from the same launchers the layer uses,
 with the GPU's compile-time constants (bf16 operands, the GPU router precision) and the
 launch's own specialization (16-byte aligned pointers are known to be), so the code is what
@@ -42,6 +42,7 @@ import json
 import os
 import re
 import subprocess
+import struct
 import sys
 import tempfile
 from pathlib import Path
@@ -143,6 +144,29 @@ def ptxas_tool():
         return get_ptxas()
 
 
+def code_bytes(cubin: str, kernel_name: str) -> int:
+    """Bytes of machine code of ``kernel_name`` in ``cubin`` (its ELF ``.text`` section; 16 per
+    sm_90 instruction). Every task of a persistent kernel is in one function, so each code path
+    added to it, run or not, adds to what the instruction caches hold."""
+    with open(cubin, "rb") as f:
+        elf = f.read()
+    shoff, = struct.unpack_from("<Q", elf, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", elf, 0x3A)
+
+    def section(i: int) -> tuple[int, int, int]:
+        name, = struct.unpack_from("<I", elf, shoff + i * shentsize)
+        offset, size = struct.unpack_from("<QQ", elf, shoff + i * shentsize + 0x18)
+        return name, offset, size
+
+    _, names, _ = section(shstrndx)
+    for i in range(shnum):
+        name, _, size = section(i)
+        end = elf.index(b"\0", names + name)
+        if elf[names + name:end].decode() == f".text.{kernel_name}":
+            return size
+    raise ValueError(f"no .text.{kernel_name} in {cubin}")
+
+
 _SASS_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
@@ -207,6 +231,7 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, 
         text = done.stdout + done.stderr
         if done.returncode != 0:
             raise RuntimeError(f"ptxas failed:\n{text[-2000:]}")
+        code = code_bytes(os.path.join(tmp, "k.cubin"), compiled.metadata.name)
         sites = spill_sites(ptx, tmp, spill_lines) if spill_lines else []
 
     def number(pattern: str) -> int:
@@ -222,6 +247,7 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, 
         "spill_stores": number(r"(\d+) bytes spill stores"),
         "spill_loads": number(r"(\d+) bytes spill loads"),
         "shared_bytes": compiled.metadata.shared,
+        "code_bytes": code,
         "ptxas_warnings": warnings,
         "wgmma_serialized": sorted({m.group(1) for w in warnings if (m := SERIALIZED.search(w))}),
         "wgmma_loops": wgmma_loops(compiled.asm["ttgir"]),
@@ -338,8 +364,8 @@ def main() -> None:
         found = findings(r, tiles[name].workers_per_sm)
         bad += [f"{name}: {f}" for f in found]
         print(f"{name:9} {r['registers']} registers, spills {r['spill_stores']} B stored / "
-              f"{r['spill_loads']} B loaded, shared {r['shared_bytes']} B, {r['warps']} warps: "
-              f"{r['blocks_per_sm']} per SM" + "".join(f"\n  ptxas: {w}" for w in r["ptxas_warnings"]))
+              f"{r['spill_loads']} B loaded, shared {r['shared_bytes']} B, code {r['code_bytes']} B, "
+              f"{r['warps']} warps: {r['blocks_per_sm']} per SM" + "".join(f"\n  ptxas: {w}" for w in r["ptxas_warnings"]))
         for loop in r["wgmma_loops"]:
             print(f"  wgmma loop {loop['source']}: {loop['dots']} {loop['dtype']} dots, "
                   f"{'one in flight' if loop['in_flight'] else 'each waited for'}, operand loads "

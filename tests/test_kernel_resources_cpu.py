@@ -52,6 +52,7 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
         assert kernel["wgmma_serialized"] == [], (name, kernel["ptxas_warnings"])
         assert 0 < kernel["shared_bytes"] <= 232448, (name, kernel["shared_bytes"])
         assert kernel["registers"] > 0
+        assert kernel["code_bytes"] > 0 and kernel["code_bytes"] % 16 == 0, kernel["code_bytes"]  # sm_90 instructions
         assert kernel["warps"] == 8 and kernel["blocks_per_sm"] == 1, kernel  # the tiles' workers_per_sm
         gemm_loops = [loop for loop in kernel["wgmma_loops"] if loop["dtype"] == "bf16"]
         assert len(gemm_loops) >= loops and all(loop["in_flight"] for loop in gemm_loops), kernel["wgmma_loops"]
