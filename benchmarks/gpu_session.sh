@@ -38,7 +38,9 @@
 #                    the gate/up tiles as for the down tiles (stages4)
 #   variants-combine layer_forward.py on the four EP=1 cases and layer_backward.py at 256 and
 #                    128 experts, the default against the combine rows written and folded with
-#                    an L2 evict-first policy (Tiles.combine_evict_first, added at stop 46)
+#                    an L2 evict-first policy (Tiles.combine_evict_first, added at stop 46), and
+#                    in the forward against each tile's expert entries looked up in one
+#                    reduction (Tiles.merged_lookup, added at stop 47)
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
@@ -81,7 +83,8 @@ run_stage() {
                               --out "$out/variants_weights.json" \
                               --variants default weights_l2_128 stages4 ;;
         variants-combine) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                              --out "$out/variants_combine.json" --variants default combine_evict_first && \
+                              --out "$out/variants_combine.json" --variants default combine_evict_first \
+                                  merged_lookup && \
                           python benchmarks/layer_backward.py --cases dsv3_full qwen3_full \
                               --out "$out/variants_combine_backward.json" --variants default combine_evict_first ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;

@@ -102,7 +102,8 @@ import triton.language as tl
 
 from .profile import now
 from .queues import (
-    claim as _claim, combine_destination, dispatch_chunk, expert_tasks, fold_block, locate as _locate, pick as _pick,
+    claim as _claim, combine_destination, dispatch_chunk, expert_tasks, fold_block, locate as _locate,
+    locate_expert, pick as _pick,
     poll_counts, record_missing_counts, settle_ticket, take_ticket,
 )
 from .route import router_logits, top_k_routing
@@ -275,7 +276,7 @@ def expert_forward_kernel(
     BM: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
     BHF: tl.constexpr, STAGES: tl.constexpr, DN_STAGES: tl.constexpr,
     TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr, HELD_CHUNK_FIRST: tl.constexpr,
-    COMB_EVICT_FIRST: tl.constexpr,
+    COMB_EVICT_FIRST: tl.constexpr, MERGED_LOOKUP: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -370,19 +371,27 @@ def expert_forward_kernel(
             if known:
                 q, open_q = _claim(heads + Q_DOWN, held_dn, n_dn, open_q, OPEN_DOWN)
             if q >= 0:
-                e, first = _locate(cum_dn, el_idx, q)
-                n_rows_e = _pick(n_el, el_idx, e)
-                n_tiles_e = _pick(tiles_el, el_idx, e)
+                if MERGED_LOOKUP:
+                    e, first, n_rows_e, n_tiles_e, tile_start_e, row_start_e = locate_expert(
+                        cum_dn, el_idx, q, n_el, tiles_el, tile_start_el, row_start_el, N_HB)
+                else:
+                    e, first = _locate(cum_dn, el_idx, q)
+                    n_rows_e = _pick(n_el, el_idx, e)
+                    n_tiles_e = _pick(tiles_el, el_idx, e)
                 local = q - first
                 hb = local // n_tiles_e
                 m = local % n_tiles_e
-                tile = _pick(tile_start_el, el_idx, e) + m
+                if not MERGED_LOOKUP:
+                    tile_start_e = _pick(tile_start_el, el_idx, e)
+                tile = tile_start_e + m
                 if tl.atomic_add(ctl + C_GU_DONE + tile, 0, sem="acquire", scope="gpu") == N_IB:
                     tl.debug_barrier()
                     # The next ticket, taken now: its round trip overlaps this tile (see
                     # "Claiming" above for why holding it while running this one is safe).
                     nxt = take_ticket(heads + Q_DOWN, open_q, OPEN_DOWN)
-                    row0 = _pick(row_start_el, el_idx, e) + m * BM
+                    if not MERGED_LOOKUP:
+                        row_start_e = _pick(row_start_el, el_idx, e)
+                    row0 = row_start_e + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
                                      H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
@@ -429,24 +438,33 @@ def expert_forward_kernel(
             if known:
                 g, open_q = _claim(heads + Q_GATE_UP, held_gu, n_gu, open_q, OPEN_GATE_UP)
             if g >= 0:
-                e, first = _locate(cum_gu, el_idx, g)
-                n_rows_e = _pick(n_el, el_idx, e)
+                if MERGED_LOOKUP:
+                    e, first, n_rows_e, n_tiles_e, tile_start_e, row_start_e = locate_expert(
+                        cum_gu, el_idx, g, n_el, tiles_el, tile_start_el, row_start_el, N_IB)
+                else:
+                    e, first = _locate(cum_gu, el_idx, g)
+                    n_rows_e = _pick(n_el, el_idx, e)
                 arrived = tl.atomic_add(ctl + C_ARRIVED + w_idx * E_L + e, 0, mask=w_idx < W,
                                         sem="acquire", scope=SCOPE)
                 if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
                     tl.debug_barrier()
                     nxt = take_ticket(heads + Q_GATE_UP, open_q, OPEN_GATE_UP)  # the next ticket (as in DOWN)
-                    n_tiles_e = _pick(tiles_el, el_idx, e)
+                    if not MERGED_LOOKUP:
+                        n_tiles_e = _pick(tiles_el, el_idx, e)
                     local = g - first
                     ib = local // n_tiles_e
                     m = local % n_tiles_e
-                    row0 = _pick(row_start_el, el_idx, e) + m * BM
+                    if not MERGED_LOOKUP:
+                        row_start_e = _pick(row_start_el, el_idx, e)
+                    row0 = row_start_e + m * BM
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     routed_gate_up_rows(x_ptr, recv_x, ctl, me, row0, n_rows, e, ib, w_gate_up_ptr, w_gate_up_desc,
                                         h_r, saved_ptr, slot_ptr, save_cap, H, I, TOP_K, T_MAX, C_RECV_SRC, C_RECV_ENT,
                                         BM, BN_GU, BK, DOT_DTYPE, STAGES, TMA, ROWS_ALIGNED, GU_ONE_DOT,
                                         PROFILE, profile_ptr)
-                    signal_add(ctl + C_GU_DONE + _pick(tile_start_el, el_idx, e) + m, 1, "gpu")
+                    if not MERGED_LOOKUP:
+                        tile_start_e = _pick(tile_start_el, el_idx, e)
+                    signal_add(ctl + C_GU_DONE + tile_start_e + m, 1, "gpu")
                     g, open_q = settle_ticket(nxt, n_gu, open_q, OPEN_GATE_UP)
                     did = 4
             held_gu = g

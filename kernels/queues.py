@@ -77,6 +77,24 @@ def locate(cum, idx, task):
 
 
 @triton.jit
+def locate_expert(cum, idx, task, n_el, tiles_el, tile_start_el, row_start_el, PER_TILE: tl.constexpr):
+    """``locate`` for a prefix sum ``cum`` of ``PER_TILE`` tasks per row tile (``expert_tasks``),
+    with the expert's entries of ``expert_rows``: ``(e, first task, rows, row tiles, first row
+    tile, first row)``, in two reductions where ``locate`` and four ``pick``s take six.
+
+    Over 256 local experts each reduction crosses the warps (shared memory and a barrier); the
+    four entries share one, as a ``[EL_PAD, 2, 2]`` block reduced over the experts.
+    """
+    e = tl.sum((cum <= task).to(tl.int32), axis=0)
+    entries = tl.join(tl.join(n_el, tiles_el), tl.join(tile_start_el, row_start_el))
+    at = tl.sum(tl.where((idx == e)[:, None, None], entries, 0), axis=0)
+    rows_tiles, starts = tl.split(at)
+    n_rows, n_tiles = tl.split(rows_tiles)
+    tile_start, row_start = tl.split(starts)
+    return e, tile_start * PER_TILE, n_rows, n_tiles, tile_start, row_start
+
+
+@triton.jit
 def recv_table(ctl, par, me, W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constexpr,
                 E_L: tl.constexpr, EL_PAD: tl.constexpr, C_TABLE: tl.constexpr):
     """``[W_PAD, EL_PAD]``: rows each source sends to each of this rank's local experts."""

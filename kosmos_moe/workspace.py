@@ -150,6 +150,15 @@ class Tiles:
     # (stop 46 found no machine for it): layer_forward.py / layer_backward.py variant
     # combine_evict_first, gpu_session.sh stage variants-combine.
     combine_evict_first: bool = False
+    # A routed tile finds its expert's rows, row tiles, first row tile and first row in one
+    # reduction over the local experts (queues.locate_expert) instead of four, so its lookups
+    # take two reductions instead of six. Over 128 or 256 local experts each reduction crosses
+    # the warps (a shared-memory exchange and a barrier). Offline sm_90, stop 47, kernel with /
+    # without: at DeepSeek-V3 256 experts 344 / 368 barrier instructions, spills 40 / 64 B,
+    # code 262,272 / 264,704 B; at 32 experts 178 / 156 barriers and spills 56 / 0 B (there the
+    # four 32-wide picks were warp-local). Off until timed: layer_forward.py variant
+    # merged_lookup, gpu_session.sh stage variants-combine.
+    merged_lookup: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -162,7 +171,7 @@ class Tiles:
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
             GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
-            COMB_EVICT_FIRST=self.combine_evict_first, num_warps=self.warps,
+            COMB_EVICT_FIRST=self.combine_evict_first, MERGED_LOOKUP=self.merged_lookup, num_warps=self.warps,
         )
 
 

@@ -59,7 +59,8 @@ CASES = {
     "softmax_shared": dict(
         shape=dict(hidden_size=40, moe_intermediate_size=12, num_experts=8, top_k=2, num_shared_experts=2),
         counts=[18, 33, 7, 1], workers=3,
-        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=False),  # gate and up blocks as two dots
+        # Gate and up blocks as two dots; each tile's expert entries in one reduction.
+        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=False, merged_lookup=True),
     ),
     "sigmoid_group_shared": dict(
         shape=dict(hidden_size=28, moe_intermediate_size=12, num_experts=16, top_k=4, router="sigmoid_group",
