@@ -1,10 +1,10 @@
 """Compile the fused kernels for sm_90 on any machine (no GPU needed) and report what limits their GEMMs.
 
 Per kernel: registers per thread, spill stores and loads, shared memory per block, bytes of
-machine code, every ptxas performance warning, and each loop that issues wgmma, with whether it keeps a wgmma in
-flight across iterations. The kernels are compiled from the same launchers the layer uses,
-with the GPU's compile-time constants (bf16 operands, the GPU router precision) and the
-launch's own specialization (16-byte aligned pointers are known to be), so the code is what
+machine code, every ptxas performance warning, and each loop that issues wgmma, with whether
+it keeps a wgmma in flight across iterations. The kernels are compiled from the same
+launchers the layer uses, with the GPU's compile-time constants (bf16 operands, the GPU
+router precision) and the launch's own specialization (16-byte aligned pointers are known to be), so the code is what
 the GPU would build; nothing runs. What ``--check`` fails on:
 
 * ptxas C7515: wgmma serialized because a non-wgmma instruction defines an accumulator
@@ -41,8 +41,8 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import struct
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -365,7 +365,8 @@ def main() -> None:
         bad += [f"{name}: {f}" for f in found]
         print(f"{name:9} {r['registers']} registers, spills {r['spill_stores']} B stored / "
               f"{r['spill_loads']} B loaded, shared {r['shared_bytes']} B, code {r['code_bytes']} B, "
-              f"{r['warps']} warps: {r['blocks_per_sm']} per SM" + "".join(f"\n  ptxas: {w}" for w in r["ptxas_warnings"]))
+              f"{r['warps']} warps: {r['blocks_per_sm']} per SM"
+              + "".join(f"\n  ptxas: {w}" for w in r["ptxas_warnings"]))
         for loop in r["wgmma_loops"]:
             print(f"  wgmma loop {loop['source']}: {loop['dots']} {loop['dtype']} dots, "
                   f"{'one in flight' if loop['in_flight'] else 'each waited for'}, operand loads "
