@@ -4,8 +4,8 @@ Per kernel: registers per thread, spill stores and loads, shared memory per bloc
 machine code, every ptxas performance warning, and each loop that issues wgmma, with whether
 it keeps a wgmma in flight across iterations. The kernels are compiled from the same
 launchers the layer uses, with the GPU's compile-time constants (bf16 operands, the GPU
-router precision) and the launch's own specialization (16-byte aligned pointers are known to be), so the code is what
-the GPU would build; nothing runs. What ``--check`` fails on:
+router precision) and the launch's own specialization (16-byte aligned pointers are known
+to be), so the code is what the GPU would build; nothing runs. What ``--check`` fails on:
 
 * ptxas C7515: wgmma serialized because a non-wgmma instruction defines an accumulator
   register inside a pipeline stage. ptxas applies it to the whole function, and a persistent
