@@ -360,7 +360,8 @@ def expert_backward_kernel(
                         ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
                         dst_rows, base, tok = combine_destination(peers_ptr, src, ent, DT, TOP_K, SLOTS, H, B_COMB, W)
                         cols = hb * BN_DX + tl.arange(0, BN_DX)
-                        tl.store(dst_rows[:, None] + cols[None, :], acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :],
+                        tl.store(dst_rows[:, None] + cols[None, :], acc.to(DT),
+                                 mask=row_ok[:, None] & (cols < H)[None, :],
                                  eviction_policy="evict_first" if COMB_EVICT_FIRST else "")
                         if hb == 0:
                             ib = tl.arange(0, 16)

@@ -1,6 +1,7 @@
 """The task lookups of kernels/queues.py under Triton's interpreter: ``locate_expert`` (one
 reduction for an expert's four entries, Tiles.merged_lookup) against ``locate`` and four
-``pick``s, for every task of both task kinds, over local experts with and without rows."""
+``pick``s, for every task of a task kind with three tasks per row tile, over local experts
+with and without rows."""
 
 import pytest
 import torch
