@@ -36,11 +36,9 @@
 #                    more (stop 39: 20% of the forward's warp time at Qwen3 128 experts):
 #                    Triton's 128-byte promotion (weights_l2_128), or 4 pipeline stages for
 #                    the gate/up tiles as for the down tiles (stages4)
-#   variants-combine layer_forward.py on the four EP=1 cases and layer_backward.py at 256 and
-#                    128 experts, the default against the combine rows written and folded with
-#                    an L2 evict-first policy (Tiles.combine_evict_first, added at stop 46), and
-#                    in the forward against each tile's expert entries looked up in one
-#                    reduction (Tiles.merged_lookup, added at stop 47)
+#   variants-lookup  layer_forward.py on the four EP=1 cases, the default against each tile's
+#                    expert entries looked up in one reduction (Tiles.merged_lookup, added at
+#                    stop 47), in both orders
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
@@ -82,11 +80,10 @@ run_stage() {
                           python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                               --out "$out/variants_weights.json" \
                               --variants default weights_l2_128 stages4 ;;
-        variants-combine) python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                              --out "$out/variants_combine.json" --variants default combine_evict_first \
-                                  merged_lookup && \
-                          python benchmarks/layer_backward.py --cases dsv3_full qwen3_full \
-                              --out "$out/variants_combine_backward.json" --variants default combine_evict_first ;;
+        variants-lookup) python benchmarks/layer_forward.py --cases dsv3_full qwen3_full dsv3_rank qwen3_rank \
+                             --out "$out/variants_lookup.json" --variants default merged_lookup && \
+                         python benchmarks/layer_forward.py --cases dsv3_full qwen3_full dsv3_rank qwen3_rank \
+                             --out "$out/variants_lookup_reversed.json" --variants merged_lookup default ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \

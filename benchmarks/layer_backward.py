@@ -93,10 +93,6 @@ VARIANTS = {
     # The weight-gradient blocks stored without the L2 evict-first policy (the default until
     # stop 42).
     "wgrad_keep_in_l2": _backward_tiles(wgrad_evict_first=False),
-    # The forward's and the backward's combine rows written and folded with an L2 evict-first
-    # policy (Tiles.combine_evict_first, BackwardTiles.combine_evict_first).
-    "combine_evict_first": {**_backward_tiles(combine_evict_first=True),
-                            "tiles": dataclasses.replace(GPU_TILES, combine_evict_first=True)},
 }
 
 

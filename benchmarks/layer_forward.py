@@ -56,8 +56,6 @@ TILE_VARIANTS = {
     # (Tiles.held_chunk_first), at the default's 3 gate/up stages and at 4.
     "held_chunk_later": dataclasses.replace(GPU_TILES, held_chunk_first=False),
     "stages4_held_chunk_later": dataclasses.replace(GPU_TILES, stages=4, held_chunk_first=False),
-    # The combine rows written and folded with an L2 evict-first policy (Tiles.combine_evict_first).
-    "combine_evict_first": dataclasses.replace(GPU_TILES, combine_evict_first=True),
     # Each routed tile's expert entries in one reduction over the local experts (Tiles.merged_lookup).
     "merged_lookup": dataclasses.replace(GPU_TILES, merged_lookup=True),
     "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),

@@ -240,7 +240,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False, COMB_EVICT_FIRST: tl.constexpr = False,
+    WG_EVICT_FIRST: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -324,8 +324,7 @@ def expert_backward_kernel(
                 got = tl.atomic_add(ctl + C_COMB_ARR + toks, 0, mask=tok_ok, sem="acquire", scope=SCOPE)
                 if tl.sum(((got != EXPECT_PER_TOKEN) & tok_ok).to(tl.int32), axis=0) == 0:
                     tl.debug_barrier()
-                    fold_block(comb, dx_ptr, toks, tok_ok, tok_ok, H, SLOTS, SLOTS, BTF, BHF, K_PAD, False,
-                               COMB_EVICT_FIRST)
+                    fold_block(comb, dx_ptr, toks, tok_ok, tok_ok, H, SLOTS, SLOTS, BTF, BHF, K_PAD, False)
                     did = 7
                     f = -1
 
@@ -361,8 +360,7 @@ def expert_backward_kernel(
                         dst_rows, base, tok = combine_destination(peers_ptr, src, ent, DT, TOP_K, SLOTS, H, B_COMB, W)
                         cols = hb * BN_DX + tl.arange(0, BN_DX)
                         tl.store(dst_rows[:, None] + cols[None, :], acc.to(DT),
-                                 mask=row_ok[:, None] & (cols < H)[None, :],
-                                 eviction_policy="evict_first" if COMB_EVICT_FIRST else "")
+                                 mask=row_ok[:, None] & (cols < H)[None, :])
                         if hb == 0:
                             ib = tl.arange(0, 16)
                             dw = tl.zeros([BM], dtype=tl.float32)

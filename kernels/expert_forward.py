@@ -218,7 +218,7 @@ def routed_down_rows(
     H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, SLOTS: tl.constexpr, T_MAX: tl.constexpr, W: tl.constexpr,
     C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr, C_COMB_ARR: tl.constexpr, B_COMB: tl.constexpr,
     ROWS: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr,
-    TMA: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, profile_ptr, COMB_EVICT_FIRST: tl.constexpr,
+    TMA: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
 ):
     """A routed down tile: ``n_rows <= ROWS`` rows of ``h`` from ``row0`` (local expert ``e``),
     column block ``hb``; each row scaled by its routing weight and stored straight into its source
@@ -238,8 +238,7 @@ def routed_down_rows(
     ent = tl.load(ctl + C_RECV_ENT + rows, mask=row_ok, other=0)
     dst_rows, base, tok = combine_destination(peers_ptr, src, ent, DT, TOP_K, SLOTS, H, B_COMB, W)
     cols = hb * BN_DN + tl.arange(0, BN_DN)
-    tl.store(dst_rows[:, None] + cols[None, :], (acc * wgt[:, None]).to(DT), mask=row_ok[:, None] & (cols < H)[None, :],
-             eviction_policy="evict_first" if COMB_EVICT_FIRST else "")
+    tl.store(dst_rows[:, None] + cols[None, :], (acc * wgt[:, None]).to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
     tl.debug_barrier()
     arrive = (base + (C_COMB_ARR + me * T_MAX + tok).to(tl.int64) * 4).to(tl.pointer_type(tl.int32))
     tl.atomic_add(arrive, 1, mask=row_ok, sem="release", scope=SCOPE)
@@ -276,7 +275,7 @@ def expert_forward_kernel(
     BM: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
     BHF: tl.constexpr, STAGES: tl.constexpr, DN_STAGES: tl.constexpr,
     TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr, HELD_CHUNK_FIRST: tl.constexpr,
-    COMB_EVICT_FIRST: tl.constexpr, MERGED_LOOKUP: tl.constexpr,
+    MERGED_LOOKUP: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -358,8 +357,7 @@ def expert_forward_kernel(
             got = tl.sum(arr, axis=0)
             if tl.sum(((got != EXPECT_PER_TOKEN) & tok_ok).to(tl.int32), axis=0) == 0:
                 tl.debug_barrier()
-                fold_block(comb, out_ptr, toks, tok_ok, tok_ok, H, SLOTS, SLOTS, BTF, BHF, K_PAD, False,
-                           COMB_EVICT_FIRST)
+                fold_block(comb, out_ptr, toks, tok_ok, tok_ok, H, SLOTS, SLOTS, BTF, BHF, K_PAD, False)
                 did = 8
                 f = -1
 
@@ -395,8 +393,7 @@ def expert_forward_kernel(
                     n_rows = tl.minimum(n_rows_e - m * BM, BM)
                     routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
                                      H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
-                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr,
-                                     COMB_EVICT_FIRST)
+                                     BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr)
                     q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q
@@ -425,8 +422,7 @@ def expert_forward_kernel(
                     row_ok = tl.arange(0, BM) < n_rows
                     cols = hb * BN_DN + tl.arange(0, BN_DN)
                     dst = comb + (toks.to(tl.int64) * SLOTS + TOP_K)[:, None] * H + cols[None, :]
-                    tl.store(dst, acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :],
-                             eviction_policy="evict_first" if COMB_EVICT_FIRST else "")
+                    tl.store(dst, acc.to(DT), mask=row_ok[:, None] & (cols < H)[None, :])
                     signal_add(ctl + C_COMB_ARR + me * T_MAX + toks, tl.where(row_ok, 1, 0), "gpu")
                     q = -1
                     did = 7

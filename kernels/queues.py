@@ -233,11 +233,8 @@ def combine_destination(peers_ptr, src, ent, DT: tl.constexpr, TOP_K: tl.constex
 
 @triton.jit
 def fold_block(comb, out_ptr, toks, tok_ok, valid, H: tl.constexpr, SLOTS: tl.constexpr, N_SUM: tl.constexpr,
-               BTF: tl.constexpr, BHF: tl.constexpr, K_PAD: tl.constexpr, MASKED: tl.constexpr,
-               EVICT_FIRST: tl.constexpr = False):
+               BTF: tl.constexpr, BHF: tl.constexpr, K_PAD: tl.constexpr, MASKED: tl.constexpr):
     """``out[t] = sum_s comb[t, s]`` over the first ``N_SUM`` of each token's ``SLOTS`` rows, in fp32.
-    ``EVICT_FIRST``: the rows are read, and the sums stored, with an L2 evict-first policy
-    (nothing in the launch reads either again).
 
     With MASKED only the slots where ``valid[t, s]`` (``[BTF, K_PAD]``) count: a choice left
     empty never wrote its row. Slots are added in a fixed order, so the fold is deterministic.
@@ -252,7 +249,5 @@ def fold_block(comb, out_ptr, toks, tok_ok, valid, H: tl.constexpr, SLOTS: tl.co
             m_s = m2
             if MASKED:
                 m_s = m2 & (tl.sum(tl.where(kk[None, :] == s, valid.to(tl.int32), 0), axis=1) > 0)[:, None]
-            acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :], mask=m_s, other=0.0,
-                           eviction_policy="evict_first" if EVICT_FIRST else "").to(tl.float32)
-        tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2,
-                 eviction_policy="evict_first" if EVICT_FIRST else "")
+            acc += tl.load(comb + (t64[:, None] * SLOTS + s) * H + cols[None, :], mask=m_s, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t64[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)

@@ -143,21 +143,16 @@ class Tiles:
     # device ms first / later: DeepSeek-V3 256 experts 10.11 / 10.15 (4 stages 10.45 / 10.65),
     # Qwen3 128 3.00 / 3.01 (2.96 / 2.99).
     held_chunk_first: bool = True
-    # The combine rows (top_k + shared per token: 528 MB at DeepSeek-V3's 4096 tokens) are
-    # written by the down tiles and read once by the fold: with an L2 evict-first policy on both,
-    # they stop pushing the weight blocks and rows the tiles reuse out of L2 (as the backward's
-    # weight-gradient stores, BackwardTiles.wgrad_evict_first). Off until timed on a GPU
-    # (stop 46 found no machine for it): layer_forward.py / layer_backward.py variant
-    # combine_evict_first, gpu_session.sh stage variants-combine.
-    combine_evict_first: bool = False
     # A routed tile finds its expert's rows, row tiles, first row tile and first row in one
     # reduction over the local experts (queues.locate_expert) instead of four, so its lookups
     # take two reductions instead of six. Over 128 or 256 local experts each reduction crosses
     # the warps (a shared-memory exchange and a barrier). Offline sm_90, stop 47, kernel with /
     # without: at DeepSeek-V3 256 experts 344 / 368 barrier instructions, spills 40 / 64 B,
     # code 262,272 / 264,704 B; at 32 experts 178 / 156 barriers and spills 56 / 0 B (there the
-    # four 32-wide picks were warp-local). Off until timed: layer_forward.py variant
-    # merged_lookup, gpu_session.sh stage variants-combine.
+    # four 32-wide picks were warp-local). H100 80GB, stop 48, one run, forward device ms
+    # without / with: DeepSeek-V3 32 experts 5.61 / 5.63, Qwen3 16 2.17 / 2.19, DeepSeek-V3 256
+    # 10.17 / 9.99, Qwen3 128 3.03 / 3.03. Off until a second run shows the 256-expert gain:
+    # layer_forward.py variant merged_lookup, gpu_session.sh stage variants-lookup.
     merged_lookup: bool = False
 
     def __post_init__(self) -> None:
@@ -171,7 +166,7 @@ class Tiles:
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
             GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
-            COMB_EVICT_FIRST=self.combine_evict_first, MERGED_LOOKUP=self.merged_lookup, num_warps=self.warps,
+            MERGED_LOOKUP=self.merged_lookup, num_warps=self.warps,
         )
 
 
@@ -384,10 +379,6 @@ class BackwardTiles:
     # Stop 43, H100 80GB, one run each: DeepSeek-V3 256 experts 37.13 / 37.63, Qwen3 128 experts
     # 11.30 / 11.25, DeepSeek-V3 32 experts 18.22 / 18.40, Qwen3 16 experts 7.47 / 7.47.
     wgrad_evict_first: bool = True
-    # The dx rows' combine buffer (top_k + 1 rows per token), written by the dx tiles and read
-    # once by the fold, with an L2 evict-first policy on both (as the forward's,
-    # Tiles.combine_evict_first; off until timed).
-    combine_evict_first: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -405,8 +396,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, COMB_EVICT_FIRST=self.combine_evict_first,
-            num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
         )
 
 

@@ -78,11 +78,11 @@ CASES = {
         tiles=replace(INTERPRETER_TILES, tma=False, gate_up_one_dot=False, held_chunk_first=False),
     ),
     # Experts of a few rows up to a few 32-row tiles: full, partial and single-row last tiles;
-    # one-dot gate/up tiles by pointer loads; combine rows with an L2 evict-first policy.
+    # one-dot gate/up tiles by pointer loads.
     "softmax_rows32": dict(
         shape=dict(hidden_size=24, moe_intermediate_size=20, num_experts=8, top_k=3),
         counts=[75, 9, 0, 30], workers=2,
-        tiles=replace(INTERPRETER_TILES, rows=32, tma=False, combine_evict_first=True),
+        tiles=replace(INTERPRETER_TILES, rows=32, tma=False),
     ),
 }
 

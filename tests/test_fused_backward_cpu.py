@@ -306,11 +306,9 @@ def check_gemm_operands(rank, world, items, tma, block_loops):
 
     from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
 
-    # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters; the
-    # TMA run also writes and folds its combine rows with an L2 evict-first policy.
+    # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters.
     tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma,
-                                wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16,
-                                combine_evict_first=tma)
+                                wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16)
     check_cases(rank, world, items, backward_tiles=tiles)
     _, fused = build(world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
