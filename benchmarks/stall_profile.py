@@ -13,7 +13,8 @@ One command on a GPU machine with ``ncu`` on the PATH::
 runs this script under ``ncu`` (``--target``: build the case's layer, call the fused forward
 twice to compile and warm up, then once more to be profiled; ``--backward`` profiles the
 backward launch of a training step instead) and writes, for CASE_DIRECTION: the report
-(``.ncu-rep``), its details page (``_details.txt``: speed of light, warp states, memory), its
+(``.ncu-rep``), its details page (``_details.txt``: speed of light, warp states, memory, and
+the bytes moved to and from DRAM and L2's lookups by kind, also printed), its
 source page per SASS instruction (``_sass.csv``) and per source line (``_lines.csv``), and
 the lines with the most stall samples and their main stall reasons (``_lines.txt``, also
 printed). ``--aggregate FILE_lines.csv`` redoes that table without a GPU.
@@ -123,22 +124,57 @@ def aggregate(lines_csv: str, top: int = 50) -> str:
     return "\n".join(out)
 
 
+# Bytes the kernel moved to and from DRAM, and L2's sector lookups by kind. Stop 48 (H100):
+# DRAM moved about 2.5x what the DeepSeek-V3 32-expert forward must (weights once, tokens,
+# intermediate and combine rows written and read once), and at Qwen3 128 experts L2 ran at 92%
+# of its throughput; reads against writes say which data is fetched again.
+TRAFFIC_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum",
+                   "lts__t_sectors_op_write.sum", "lts__t_sectors_op_atom.sum", "lts__t_sectors_op_red.sum",
+                   "lts__t_sector_op_read_hit_rate.pct")
+
+
+def traffic(details: str) -> dict[str, float]:
+    """``TRAFFIC_METRICS`` from ncu's details page printed in base units (``name  unit  value``
+    rows), by name."""
+    found = {}
+    for line in details.splitlines():
+        parts = line.split()
+        if len(parts) == 3 and parts[0] in TRAFFIC_METRICS:
+            found[parts[0]] = _number(parts[2])
+    return found
+
+
 def profile(case: str, direction: str, out_dir: str, ncu: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"{case}_{direction}")
     cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{KERNELS[direction]}", "--launch-skip", "2",
            "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats",
            "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis",
-           "--import-source", "yes", "-f", "-o", stem,
+           "--metrics", ",".join(TRAFFIC_METRICS), "--import-source", "yes", "-f", "-o", stem,
            sys.executable, os.path.abspath(__file__), "--target", "--case", case]
     if direction == "backward":
         cmd.append("--backward")
     log(" ".join(cmd))
     t0 = time.time()
-    subprocess.run(cmd, check=True)
+    if subprocess.run(cmd).returncode != 0:
+        # A metric this ncu or GPU does not know fails the whole run: profile without them.
+        at = cmd.index("--metrics")
+        del cmd[at:at + 2]
+        log("ncu failed with the traffic metrics; again without them")
+        subprocess.run(cmd, check=True)
     log(f"profiled in {time.time() - t0:.0f} s")
+    # Base units for traffic(); "--print-details all" adds each section's breakdown (which of
+    # L2's units is the busy one), an option older ncu versions lack.
+    page = [ncu, "--import", stem + ".ncu-rep", "--page", "details", "--print-units", "base"]
+    shown = subprocess.run(page + ["--print-details", "all"], capture_output=True, text=True, check=False)
+    if shown.returncode != 0:
+        shown = subprocess.run(page, capture_output=True, text=True, check=False)
+    details = shown.stdout
     with open(stem + "_details.txt", "w") as f:
-        subprocess.run([ncu, "--import", stem + ".ncu-rep", "--page", "details"], stdout=f, check=False)
+        f.write(details)
+    moved = traffic(details)
+    if moved:
+        log("traffic: " + ", ".join(f"{name} {value:,.0f}" for name, value in moved.items()))
     # The source page per SASS instruction, and per source line with each line's instructions.
     for view, suffix in (("sass", "_sass.csv"), ("cuda,sass", "_lines.csv")):
         with open(stem + suffix, "w") as f:

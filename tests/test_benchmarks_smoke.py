@@ -186,3 +186,22 @@ def test_stall_profile_aggregates_an_export(tmp_path, monkeypatch):
         empty = tmp_path / "empty_lines.csv"
         empty.write_text('"File Path","x.py"\n' + ",".join(f'"{c}"' for c in header) + "\n")
         stall.aggregate(str(empty))
+
+
+def test_stall_profile_reads_the_traffic_metrics(monkeypatch):
+    """stall_profile.traffic picks the DRAM and L2 metrics out of ncu's details page (base
+    units, thousands separators) and nothing else."""
+    stall = benchmark_module("stall_profile", monkeypatch)
+    details = """
+    Section: Command line profiler metrics
+    ----------------------------------------------- ----------- ----------------
+    Metric Name                                     Metric Unit     Metric Value
+    ----------------------------------------------- ----------- ----------------
+    dram__bytes_read.sum                                   byte    7,123,456,789
+    dram__bytes_write.sum                                  byte      612,000,000
+    lts__t_sector_op_read_hit_rate.pct                        %            53.12
+    L2 Hit Rate                                               %            53.12
+    lts__t_sectors.avg.pct_of_peak_sustained_elapsed          %            92.19
+"""
+    assert stall.traffic(details) == {"dram__bytes_read.sum": 7123456789.0, "dram__bytes_write.sum": 612000000.0,
+                                      "lts__t_sector_op_read_hit_rate.pct": 53.12}
