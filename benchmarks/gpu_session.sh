@@ -36,9 +36,9 @@
 #                    more (stop 39: 20% of the forward's warp time at Qwen3 128 experts):
 #                    Triton's 128-byte promotion (weights_l2_128), or 4 pipeline stages for
 #                    the gate/up tiles as for the down tiles (stages4)
-#   variants-lookup  layer_forward.py on the four EP=1 cases, the default against each tile's
-#                    expert entries looked up in one reduction (Tiles.merged_lookup, added at
-#                    stop 47), in both orders
+#   variants-lookup  layer_forward.py on the four EP=1 cases, each tile's expert entries looked
+#                    up in one reduction at any expert count against never (the default does it
+#                    from 256 local experts, Tiles.merged_lookup_from), in both orders
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
@@ -81,9 +81,9 @@ run_stage() {
                               --out "$out/variants_weights.json" \
                               --variants default weights_l2_128 stages4 ;;
         variants-lookup) python benchmarks/layer_forward.py --cases dsv3_full qwen3_full dsv3_rank qwen3_rank \
-                             --out "$out/variants_lookup.json" --variants default merged_lookup && \
+                             --out "$out/variants_lookup.json" --variants separate_lookup merged_lookup && \
                          python benchmarks/layer_forward.py --cases dsv3_full qwen3_full dsv3_rank qwen3_rank \
-                             --out "$out/variants_lookup_reversed.json" --variants merged_lookup default ;;
+                             --out "$out/variants_lookup_reversed.json" --variants merged_lookup separate_lookup ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \

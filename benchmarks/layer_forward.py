@@ -56,8 +56,10 @@ TILE_VARIANTS = {
     # (Tiles.held_chunk_first), at the default's 3 gate/up stages and at 4.
     "held_chunk_later": dataclasses.replace(GPU_TILES, held_chunk_first=False),
     "stages4_held_chunk_later": dataclasses.replace(GPU_TILES, stages=4, held_chunk_first=False),
-    # Each routed tile's expert entries in one reduction over the local experts (Tiles.merged_lookup).
-    "merged_lookup": dataclasses.replace(GPU_TILES, merged_lookup=True),
+    # Each routed tile's expert entries in one reduction over the local experts at any expert
+    # count (Tiles.merged_lookup_from; the default from 256), and never.
+    "merged_lookup": dataclasses.replace(GPU_TILES, merged_lookup_from=1),
+    "separate_lookup": dataclasses.replace(GPU_TILES, merged_lookup_from=1 << 30),
     "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),
     "no_row_hint": dataclasses.replace(GPU_TILES, row_alignment_hint=False),
     # The route tiles before d522b32 (64 tokens, 32 experts a step). H100 80GB, stop 36, one run:

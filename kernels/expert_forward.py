@@ -369,9 +369,9 @@ def expert_forward_kernel(
             if known:
                 q, open_q = _claim(heads + Q_DOWN, held_dn, n_dn, open_q, OPEN_DOWN)
             if q >= 0:
-                # MERGED_LOOKUP reads an expert's four entries in one reduction up front; without
-                # it each is picked where first needed, some only once the task is ready, as in
-                # the kernel timed before the option (here and in GATE_UP below).
+                # MERGED_LOOKUP (from 256 local experts, Tiles.merged_lookup_from) reads an
+                # expert's four entries in one reduction up front; below that each is picked
+                # where first needed, some only once the task is ready (here and in GATE_UP).
                 if MERGED_LOOKUP:
                     e, first, n_rows_e, n_tiles_e, tile_start_e, row_start_e = locate_expert(
                         cum_dn, el_idx, q, n_el, tiles_el, tile_start_el, row_start_el, N_HB)

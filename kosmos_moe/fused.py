@@ -767,7 +767,8 @@ class FusedForward(_PersistentLaunch):
             **self._common_constexprs(x.dtype, on_gpu),
             I_S=c.shared_intermediate_size if shared_mlp is not None else 0,
             N_GROUP=c.n_group, TOPK_GROUP=c.topk_group, G_PAD=_next_pow2(c.n_group),
-            **t.kernel_constants(), TMA=tma, PROFILE=self.profile is not None,
+            **t.kernel_constants(c.num_experts // self.fabric.world_size), TMA=tma,
+            PROFILE=self.profile is not None,
             # Rows read in place from x and received rows (256-byte aligned workspace) all
             # start 16-byte aligned: the kernel may tell the compiler so.
             ROWS_ALIGNED=(t.row_alignment_hint and x.data_ptr() % 16 == 0

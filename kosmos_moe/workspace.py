@@ -143,30 +143,33 @@ class Tiles:
     # device ms first / later: DeepSeek-V3 256 experts 10.11 / 10.15 (4 stages 10.45 / 10.65),
     # Qwen3 128 3.00 / 3.01 (2.96 / 2.99).
     held_chunk_first: bool = True
-    # A routed tile finds its expert's rows, row tiles, first row tile and first row in one
-    # reduction over the local experts (queues.locate_expert) instead of four, so its lookups
-    # take two reductions instead of six. Over 128 or 256 local experts each reduction crosses
-    # the warps (a shared-memory exchange and a barrier). Offline sm_90, stop 47, kernel with /
-    # without: at DeepSeek-V3 256 experts 344 / 368 barrier instructions, spills 40 / 64 B,
-    # code 262,272 / 264,704 B; at 32 experts 178 / 156 barriers and spills 56 / 0 B (there the
-    # four 32-wide picks were warp-local). H100 80GB, stop 48, one run, forward device ms
-    # without / with: DeepSeek-V3 32 experts 5.61 / 5.63, Qwen3 16 2.17 / 2.19, DeepSeek-V3 256
-    # 10.17 / 9.99, Qwen3 128 3.03 / 3.03. Off until a second run shows the 256-expert gain:
-    # layer_forward.py variant merged_lookup, gpu_session.sh stage variants-lookup.
-    merged_lookup: bool = False
+    # From this many local experts on, a routed tile finds its expert's rows, row tiles, first
+    # row tile and first row in one reduction over the local experts (queues.locate_expert)
+    # instead of four, so its lookups take two reductions instead of six. Over 128 or 256 local
+    # experts each reduction crosses the warps (a shared-memory exchange and a barrier); over 32
+    # the four picks are warp-local. Offline sm_90, stop 47, kernel with / without: at
+    # DeepSeek-V3 256 experts 344 / 368 barrier instructions, spills 40 / 64 B, code 262,272 /
+    # 264,704 B; at 32 experts 178 / 156 barriers and spills 56 / 0 B. H100 80GB, forward device
+    # ms without / with (layer_forward.py variant merged_lookup, which sets 1; stop 48 one
+    # process, stop 49 gpu_session.sh variants-lookup, both orders): DeepSeek-V3 256 experts
+    # 10.17 / 9.99, 10.36 / 10.24, 10.39 / 10.28 (1.1-1.8% faster each time); DeepSeek-V3 32
+    # experts 5.61 / 5.63, 5.49 / 5.67, 5.53 / 5.66; Qwen3 128 3.03 / 3.03, 3.07 / 3.11, 3.08 /
+    # 3.09; Qwen3 16 2.17 / 2.19, 2.14 / 2.19, 2.16 / 2.16. So only at 256 and more.
+    merged_lookup_from: int = 256
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
 
-    def kernel_constants(self) -> dict:
-        """The forward kernel's tile constants (``num_warps`` included; ``TMA`` and the row
-        alignment hint depend on the call and are the launcher's)."""
+    def kernel_constants(self, local_experts: int) -> dict:
+        """The forward kernel's tile constants for a rank of ``local_experts`` experts
+        (``num_warps`` included; ``TMA`` and the row alignment hint depend on the call and are
+        the launcher's)."""
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, R_STAGES=self.route_stages, BR=self.dispatch_rows,
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
             GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
-            MERGED_LOOKUP=self.merged_lookup, num_warps=self.warps,
+            MERGED_LOOKUP=local_experts >= self.merged_lookup_from, num_warps=self.warps,
         )
 
 

@@ -60,7 +60,7 @@ CASES = {
         shape=dict(hidden_size=40, moe_intermediate_size=12, num_experts=8, top_k=2, num_shared_experts=2),
         counts=[18, 33, 7, 1], workers=3,
         # Gate and up blocks as two dots; each tile's expert entries in one reduction.
-        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=False, merged_lookup=True),
+        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=False, merged_lookup_from=1),
     ),
     "sigmoid_group_shared": dict(
         shape=dict(hidden_size=28, moe_intermediate_size=12, num_experts=16, top_k=4, router="sigmoid_group",

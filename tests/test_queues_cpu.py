@@ -1,5 +1,5 @@
 """The task lookups of kernels/queues.py under Triton's interpreter: ``locate_expert`` (one
-reduction for an expert's four entries, Tiles.merged_lookup) against ``locate`` and four
+reduction for an expert's four entries, Tiles.merged_lookup_from) against ``locate`` and four
 ``pick``s, for every task of a task kind with three tasks per row tile, over local experts
 with and without rows."""
 
