@@ -93,6 +93,9 @@ VARIANTS = {
     # The weight-gradient blocks stored without the L2 evict-first policy (the default until
     # stop 42).
     "wgrad_keep_in_l2": _backward_tiles(wgrad_evict_first=False),
+    # The SwiGLU-backward epilogue's next part's kept projections requested ahead of this
+    # part's math and stores (BackwardTiles.swiglu_epilogue_ahead).
+    "swiglu_ahead": _backward_tiles(swiglu_epilogue_ahead=True),
 }
 
 

@@ -153,14 +153,13 @@ def swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, n0, hw, dgu, I: tl.con
 
 
 @triton.jit
-def kept_half_epilogue(dh1, kept, wgt, r64, row_ok, n0, hw, dgu, I: tl.constexpr, BN: tl.constexpr):
-    """``swiglu_backward_epilogue`` with the gate and up projections read where the forward kept them."""
+def kept_projections(kept, row_ok, n0, I: tl.constexpr, BN: tl.constexpr):
+    """The gate and up projections the forward kept (``kept``: one pointer per row) for
+    columns ``n0 : n0 + BN``, in their stored dtype."""
     cols = n0 + tl.arange(0, BN)
     ok = row_ok[:, None] & (cols < I)[None, :]
     at = kept[:, None] + cols[None, :]
-    a = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(at + I, mask=ok, other=0.0).to(tl.float32)
-    return swiglu_backward_epilogue(dh1, a, u, wgt, r64, row_ok, n0, hw, dgu, I, BN)
+    return tl.load(at, mask=ok, other=0.0), tl.load(at + I, mask=ok, other=0.0)
 
 
 @triton.jit
@@ -168,27 +167,39 @@ def kept_swiglu_backward(
     g_ptr, n_rows, w_down_ptr, kept, wgt, r64, row_ok, n0, hw, dgu,
     H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_EPI: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-    PROFILE: tl.constexpr, profile_ptr,
+    EPI_AHEAD: tl.constexpr, PROFILE: tl.constexpr, profile_ptr,
 ):
     """A SwiGLU-backward tile whose rows' gate and up projections the forward kept (``kept``:
     one pointer per row): ``dh' = g @ Wd[:, n0:n0+BN]`` is its only GEMM. The epilogue runs in
-    two column halves, so that fewer whole tiles are live at once (offline sm_90: 2,796 ->
+    two column parts, so that fewer whole tiles are live at once (offline sm_90: 2,796 ->
     784 B of spills, H200: 2.94 -> 2.24 ms busy per worker, DeepSeek-V3 one-rank view), or in
     quarters where a quarter is still ``BN_EPI`` columns wide (256-column tiles beside per-block
-    weight-gradient loops: 776 B of spills against 1,668 in halves)."""
+    weight-gradient loops: 776 B of spills against 1,668 in halves). Each part reads its kept
+    projections, gathered by row, after the last dot; with ``EPI_AHEAD`` the next part's are
+    requested before this part's math and stores, so their round trip overlaps them."""
     dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA)
     t_epilogue = now() if PROFILE else 0
     lo, hi = column_halves(dh1, BM, BN // 2)
     if BN >= 4 * BN_EPI:
         q0, q1 = column_halves(lo, BM, BN // 4)
-        part = kept_half_epilogue(q0, kept, wgt, r64, row_ok, n0, hw, dgu, I, BN // 4)
-        part += kept_half_epilogue(q1, kept, wgt, r64, row_ok, n0 + BN // 4, hw, dgu, I, BN // 4)
         q2, q3 = column_halves(hi, BM, BN // 4)
-        part += kept_half_epilogue(q2, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 4)
-        part += kept_half_epilogue(q3, kept, wgt, r64, row_ok, n0 + 3 * BN // 4, hw, dgu, I, BN // 4)
+        parts = (q0, q1, q2, q3)
     else:
-        part = kept_half_epilogue(lo, kept, wgt, r64, row_ok, n0, hw, dgu, I, BN // 2)
-        part += kept_half_epilogue(hi, kept, wgt, r64, row_ok, n0 + BN // 2, hw, dgu, I, BN // 2)
+        parts = (lo, hi)
+    N_PARTS: tl.constexpr = len(parts)
+    BP: tl.constexpr = BN // N_PARTS
+    a, u = kept_projections(kept, row_ok, n0, I, BP)
+    part = tl.zeros([BM], dtype=tl.float32)
+    for i in tl.static_range(N_PARTS):
+        if EPI_AHEAD and i + 1 < N_PARTS:
+            a_next, u_next = kept_projections(kept, row_ok, n0 + (i + 1) * BP, I, BP)
+        part += swiglu_backward_epilogue(parts[i], a.to(tl.float32), u.to(tl.float32), wgt, r64, row_ok,
+                                         n0 + i * BP, hw, dgu, I, BP)
+        if i + 1 < N_PARTS:
+            if EPI_AHEAD:
+                a, u = a_next, u_next
+            else:
+                a, u = kept_projections(kept, row_ok, n0 + (i + 1) * BP, I, BP)
     if PROFILE:
         tl.atomic_add(profile_ptr + PROFILE_DH_EPILOGUE, now() - t_epilogue, sem="relaxed")
     return part
@@ -240,7 +251,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False,
+    WG_EVICT_FIRST: tl.constexpr = False, EPI_AHEAD: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -466,7 +477,7 @@ def expert_backward_kernel(
                         if SAVED == SAVED_ALL:
                             part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw,
                                                         dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                        TILE_TMA, PROFILE, profile_ptr)
+                                                        TILE_TMA, EPI_AHEAD, PROFILE, profile_ptr)
                         else:
                             use_kept = False
                             if SAVED == SAVED_SOME:
@@ -474,7 +485,7 @@ def expert_backward_kernel(
                             if use_kept:
                                 part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
                                                             hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                            TILE_TMA, PROFILE, profile_ptr)
+                                                            TILE_TMA, EPI_AHEAD, PROFILE, profile_ptr)
                             else:
                                 w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
                                 part = recomputed_swiglu_backward(recv_x + rows.to(tl.int64) * H,
