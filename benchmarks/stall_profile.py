@@ -144,6 +144,41 @@ def traffic(details: str) -> dict[str, float]:
     return found
 
 
+def once_traffic(case: str, backward: bool) -> dict[str, float]:
+    """Bytes the case's kernel reads and writes if each of its buffers is read once and written
+    once (bf16 activations and weights, fp32 logits; one rank, every projection kept), the
+    baseline for ``dram__bytes_read.sum`` and ``dram__bytes_write.sum``.
+
+    Forward: reads the routed and shared weights, the router weight, the tokens, the
+    intermediate rows (``T K I + T I_s``) and the combine rows (``T (K + shared) H``); writes
+    the intermediate and combine rows and the output (profiled without grad: no logits kept).
+    Backward: reads the tokens and output gradients (to copy them expert-major), the routed
+    weights (dx and SwiGLU-backward tiles), the kept projections, the copied rows, ``[dg du]``,
+    ``w h``, the combine rows and the logits; writes the copied rows, ``[dg du]``, ``w h``,
+    the combine rows, the input gradient, the weight gradients and the logits' gradient."""
+    from dataclasses import replace
+
+    from kosmos_moe.config import DEEPSEEK_V3, QWEN3_235B
+
+    preset, experts, _ = LAYER_CASES[case]
+    c = replace({"deepseek_v3": DEEPSEEK_V3, "qwen3_235b": QWEN3_235B}[preset], num_experts=experts)
+    T, H, I, E, K = TOKENS, c.hidden_size, c.moe_intermediate_size, c.num_experts, c.top_k
+    I_s = c.shared_intermediate_size
+    slots = K + (1 if I_s else 0)
+    bf16, fp32 = 2, 4
+    if not backward:
+        weights = bf16 * (3 * E * H * I + 3 * H * I_s + E * H)
+        inter, comb = bf16 * T * (K * I + I_s), bf16 * T * slots * H
+        return {"read": weights + bf16 * T * H + inter + comb,
+                "write": inter + comb + bf16 * T * H}
+    rows, proj = bf16 * T * K * H, bf16 * T * K * I
+    comb = bf16 * T * (K + 1) * H  # the routed rows and the router's part
+    read = (2 * bf16 * T * H + bf16 * 3 * E * H * I + 2 * proj + 2 * rows + 2 * proj + proj + comb
+            + fp32 * T * E + bf16 * E * H)
+    write = 2 * rows + 2 * proj + proj + comb + bf16 * T * H + bf16 * 3 * E * H * I + fp32 * T * E
+    return {"read": read, "write": write}
+
+
 def profile(case: str, direction: str, out_dir: str, ncu: str) -> None:
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, f"{case}_{direction}")
@@ -175,6 +210,12 @@ def profile(case: str, direction: str, out_dir: str, ncu: str) -> None:
     moved = traffic(details)
     if moved:
         log("traffic: " + ", ".join(f"{name} {value:,.0f}" for name, value in moved.items()))
+        once = once_traffic(case, direction == "backward")
+        for kind in ("read", "write"):
+            got = moved.get(f"dram__bytes_{kind}.sum")
+            if got is not None:
+                log(f"DRAM {kind} {got / 1e9:.2f} GB, {got / once[kind]:.2f}x the {once[kind] / 1e9:.2f} GB "
+                    f"of every buffer {kind} once")
     # The source page per SASS instruction, and per source line with each line's instructions.
     for view, suffix in (("sass", "_sass.csv"), ("cuda,sass", "_lines.csv")):
         with open(stem + suffix, "w") as f:

@@ -4,6 +4,7 @@ These check that the scripts work and write their JSON and markdown; they measur
 The GPU session script's commands are checked against the scripts' own cases and variants.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -205,3 +206,23 @@ def test_stall_profile_reads_the_traffic_metrics(monkeypatch):
 """
     assert stall.traffic(details) == {"dram__bytes_read.sum": 7123456789.0, "dram__bytes_write.sum": 612000000.0,
                                       "lts__t_sector_op_read_hit_rate.pct": 53.12}
+
+
+def test_stall_profile_once_traffic(monkeypatch):
+    """The DRAM baseline stall_profile prints: at DeepSeek-V3 32 experts the forward reads the
+    roofline's weight bytes (layer_forward.work) plus tokens, intermediate rows (8 routed and
+    the shared expert's per token) and combine rows once, and writes those rows and the output;
+    the backward writes the weight gradients, as many bytes as the weights, among the rest."""
+    stall = benchmark_module("stall_profile", monkeypatch)
+    forward = benchmark_module("layer_forward", monkeypatch)
+    from kosmos_moe.config import DEEPSEEK_V3
+
+    T, H, I, K = 4096, 7168, 2048, 8
+    config = dataclasses.replace(DEEPSEEK_V3, num_experts=32)
+    weights = forward.work(config, T, 32)["weight_bytes"]
+    inter, comb, out = 2 * T * (K * I + I), 2 * T * (K + 1) * H, 2 * T * H
+    assert stall.once_traffic("dsv3_rank", backward=False) == {"read": weights + out + inter + comb,
+                                                                "write": inter + comb + out}
+    back = stall.once_traffic("dsv3_rank", backward=True)
+    assert back["write"] > 2 * 3 * 32 * H * I > 0.5 * back["write"]
+    assert round(back["read"] / 1e9, 2) == 5.08 and round(back["write"] / 1e9, 2) == 4.75
