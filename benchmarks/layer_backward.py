@@ -59,6 +59,10 @@ VARIANTS = {
     "saved_cols64": _backward_tiles(swiglu_cols=64),
     "pointer_weights": {"tiles": dataclasses.replace(GPU_TILES, tma=False)},
     "strip8": _backward_tiles(wgrad_strip=8),
+    # Four column blocks per weight-gradient task: at DeepSeek-V3 32 experts 7 tasks share each
+    # dW[g;u] row block and 2 each dWd row block (2 and 1 at 16 blocks), so fewer of the row
+    # blocks that every task rereads for each of its blocks are in use at once.
+    "strip4": _backward_tiles(wgrad_strip=4),
     "rows64": _backward_tiles(rows=64),
     "dx_stages3": _backward_tiles(dx_stages=3),
     "depth32": _backward_tiles(depth=32),
