@@ -39,6 +39,14 @@
 #   variants-lookup  layer_forward.py on the four EP=1 cases, each tile's expert entries looked
 #                    up in one reduction at any expert count against never (the default does it
 #                    from 256 local experts, Tiles.merged_lookup_from), in both orders
+#   variants-strips  layer_backward.py --profile at DeepSeek-V3 32 and Qwen3 16 experts, the
+#                    default (16 blocks per weight-gradient task) against 4 and 8 blocks
+#                    (strip4, strip8: fewer row blocks reread at once, benchmarks/
+#                    wgrad_l2_model.py) and the SwiGLU-backward epilogue's projections
+#                    requested ahead (swiglu_ahead); then 256 and 128 experts, default
+#                    against strip4 and swiglu_ahead, unprofiled
+#   stalls-strips    stall_profile.py on the backward at DeepSeek-V3 32 experts, strip4 then
+#                    the default: DRAM bytes read against every buffer read once
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
@@ -84,6 +92,15 @@ run_stage() {
                              --out "$out/variants_lookup.json" --variants separate_lookup merged_lookup && \
                          python benchmarks/layer_forward.py --cases dsv3_full qwen3_full dsv3_rank qwen3_rank \
                              --out "$out/variants_lookup_reversed.json" --variants merged_lookup separate_lookup ;;
+        variants-strips) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank --profile \
+                             --out "$out/variants_strips.json" --variants default strip4 strip8 swiglu_ahead && \
+                         python benchmarks/layer_backward.py --cases dsv3_full qwen3_full \
+                             --out "$out/variants_strips_full.json" --variants default strip4 swiglu_ahead ;;
+        stalls-strips) python benchmarks/stall_profile.py --case dsv3_rank --backward --variant strip4 \
+                           --out "$out/stalls" && \
+                       python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; \
+                       first=$?; tar czf "$out/stalls_strips.tgz" -C "$out" stalls && rm -rf "$out/stalls" && \
+                       return $first ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \

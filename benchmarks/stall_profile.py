@@ -12,7 +12,9 @@ One command on a GPU machine with ``ncu`` on the PATH::
 
 runs this script under ``ncu`` (``--target``: build the case's layer, call the fused forward
 twice to compile and warm up, then once more to be profiled; ``--backward`` profiles the
-backward launch of a training step instead) and writes, for CASE_DIRECTION: the report
+backward launch of a training step instead; ``--variant`` builds the layer with one of
+``layer_backward.py``'s or ``layer_forward.py``'s tile variants) and writes, for
+CASE_DIRECTION (then _VARIANT): the report
 (``.ncu-rep``), its details page (``_details.txt``: speed of light, warp states, memory, and
 the bytes moved to and from DRAM and L2's lookups by kind, also printed), its
 source page per SASS instruction (``_sass.csv``) and per source line (``_lines.csv``), and
@@ -35,7 +37,7 @@ import subprocess
 import sys
 import time
 
-from layer_forward import CASES as LAYER_CASES, TOKENS
+from layer_forward import CASES as LAYER_CASES, TILE_VARIANTS as FORWARD_VARIANTS, TOKENS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -48,7 +50,22 @@ def log(msg: str) -> None:
     print(f"[stall_profile {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def run_target(case: str, backward: bool) -> None:
+def variant_options(variant: str, backward: bool) -> dict:
+    """``fused_options`` of a tile variant: layer_backward.py's for the backward, layer_forward.py's
+    for the forward."""
+    if variant == "default":
+        return {}
+    if backward:
+        from layer_backward import VARIANTS
+    else:
+        VARIANTS = {name: {"tiles": tiles} for name, tiles in FORWARD_VARIANTS.items()}
+    if variant not in VARIANTS:
+        raise SystemExit(f"no {'backward' if backward else 'forward'} variant {variant!r}; "
+                         f"choose from {', '.join(sorted(VARIANTS))}")
+    return VARIANTS[variant]
+
+
+def run_target(case: str, backward: bool, variant: str = "default") -> None:
     """The profiled program: one case's fused layer at one rank, called until warm, then once more."""
     import torch
 
@@ -59,7 +76,8 @@ def run_target(case: str, backward: bool) -> None:
     preset, experts, _ = LAYER_CASES[case]
     torch.manual_seed(0)
     layer = getattr(ExpertLayer, preset)(num_experts=experts, dtype=torch.bfloat16, device="cuda",
-                                         backend="kosmos", max_tokens_per_rank=TOKENS)
+                                         backend="kosmos", max_tokens_per_rank=TOKENS,
+                                         fused_options=variant_options(variant, backward))
     if layer.gate.e_score_correction_bias is not None:
         layer.gate.e_score_correction_bias.data.uniform_(-0.05, 0.05)
     layer.requires_grad_(backward)
@@ -179,14 +197,14 @@ def once_traffic(case: str, backward: bool) -> dict[str, float]:
     return {"read": read, "write": write}
 
 
-def profile(case: str, direction: str, out_dir: str, ncu: str) -> None:
+def profile(case: str, direction: str, out_dir: str, ncu: str, variant: str = "default") -> None:
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{case}_{direction}")
+    stem = os.path.join(out_dir, f"{case}_{direction}" + ("" if variant == "default" else f"_{variant}"))
     cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{KERNELS[direction]}", "--launch-skip", "2",
            "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats",
            "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis",
            "--metrics", ",".join(TRAFFIC_METRICS), "--import-source", "yes", "-f", "-o", stem,
-           sys.executable, os.path.abspath(__file__), "--target", "--case", case]
+           sys.executable, os.path.abspath(__file__), "--target", "--case", case, "--variant", variant]
     if direction == "backward":
         cmd.append("--backward")
     log(" ".join(cmd))
@@ -235,6 +253,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", default="dsv3_rank", choices=CASES)
     parser.add_argument("--backward", action="store_true", help="profile the backward launch of a training step")
+    parser.add_argument("--variant", default="default",
+                        help="a tile variant of layer_backward.py (with --backward) or layer_forward.py")
     parser.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/stalls")
     parser.add_argument("--aggregate", metavar="CSV", help="only print the per-line table of an export")
@@ -242,12 +262,13 @@ def main() -> None:
     if args.aggregate:
         print(aggregate(args.aggregate))
     elif args.target:
-        run_target(args.case, args.backward)
+        run_target(args.case, args.backward, args.variant)
     else:
+        variant_options(args.variant, args.backward)  # an unknown variant fails here, before ncu starts
         ncu = shutil.which("ncu")
         if ncu is None:
             raise SystemExit("stall_profile.py needs Nsight Compute's ncu on the PATH")
-        profile(args.case, "backward" if args.backward else "forward", args.out, ncu)
+        profile(args.case, "backward" if args.backward else "forward", args.out, ncu, args.variant)
 
 
 if __name__ == "__main__":

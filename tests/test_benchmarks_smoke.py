@@ -120,11 +120,12 @@ def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
         "gemm_tiles.py": lambda m: {"--shapes": m.SHAPES, "--variants": m.VARIANTS,
                                     "--wgrad-variants": m.WGRAD_VARIANTS},
         "host_blocking.py": lambda m: {},
-        "stall_profile.py": lambda m: {"--case": m.CASES},
+        "stall_profile.py": lambda m: {"--case": m.CASES, "--variant": {
+            *m.FORWARD_VARIANTS, *benchmark_module("layer_backward", monkeypatch).VARIANTS}},
     }
     text = (ROOT / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
     stages = re.findall(r"^\s+[\w-]+\)\s+(python .*?;;)", text, re.M)
-    assert len(stages) == 14, stages
+    assert len(stages) == 16, stages
     commands = []
     for stage in stages:
         for part in re.split(r"&&|;", stage.split(";;")[0]):
@@ -226,3 +227,15 @@ def test_stall_profile_once_traffic(monkeypatch):
     back = stall.once_traffic("dsv3_rank", backward=True)
     assert back["write"] > 2 * 3 * 32 * H * I > 0.5 * back["write"]
     assert round(back["read"] / 1e9, 2) == 5.08 and round(back["write"] / 1e9, 2) == 4.75
+
+
+def test_wgrad_l2_model(monkeypatch):
+    """benchmarks/wgrad_l2_model.py: every strip length reads the same bytes from L2 and at
+    least each operand once from DRAM; at Qwen3 16 experts (2,048 rows an expert) shorter
+    strips miss less in a 25 MB cache, and a cache big enough for everything misses each chunk
+    once (its rows padded to whole 64-row steps)."""
+    model = benchmark_module("wgrad_l2_model", monkeypatch)
+    long, short = (model.dram_reads("qwen3_rank", strip, 25) for strip in (16, 4))
+    assert long["l2_reads"] == short["l2_reads"]
+    assert long["dram_reads"] > 1.5 * short["dram_reads"] > 1.5 * short["once"]
+    assert long["once"] <= model.dram_reads("qwen3_rank", 16, 1e6)["dram_reads"] <= 1.02 * long["once"]
