@@ -43,8 +43,9 @@
 #                    default (16 blocks per weight-gradient task) against 4 and 8 blocks
 #                    (strip4, strip8: fewer row blocks reread at once, benchmarks/
 #                    wgrad_l2_model.py) and the SwiGLU-backward epilogue's projections
-#                    requested ahead (swiglu_ahead); then 256 and 128 experts, default
-#                    against strip4 and swiglu_ahead, unprofiled
+#                    requested ahead (swiglu_ahead)
+#   variants-strips-full  the same at 256 and 128 experts, default against strip4 and
+#                    swiglu_ahead, unprofiled
 #   stalls-strips    stall_profile.py on the backward at DeepSeek-V3 32 experts, strip4 then
 #                    the default: DRAM bytes read against every buffer read once
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
@@ -93,9 +94,9 @@ run_stage() {
                          python benchmarks/layer_forward.py --cases dsv3_full qwen3_full dsv3_rank qwen3_rank \
                              --out "$out/variants_lookup_reversed.json" --variants merged_lookup separate_lookup ;;
         variants-strips) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank --profile \
-                             --out "$out/variants_strips.json" --variants default strip4 strip8 swiglu_ahead && \
-                         python benchmarks/layer_backward.py --cases dsv3_full qwen3_full \
-                             --out "$out/variants_strips_full.json" --variants default strip4 swiglu_ahead ;;
+                             --out "$out/variants_strips.json" --variants default strip4 strip8 swiglu_ahead ;;
+        variants-strips-full) python benchmarks/layer_backward.py --cases dsv3_full qwen3_full \
+                                  --out "$out/variants_strips_full.json" --variants default strip4 swiglu_ahead ;;
         stalls-strips) python benchmarks/stall_profile.py --case dsv3_rank --backward --variant strip4 \
                            --out "$out/stalls" && \
                        python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; \
