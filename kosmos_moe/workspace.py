@@ -342,7 +342,11 @@ class BackwardTiles:
     # experts, H200). The SwiGLU-backward tiles fit only 3 in shared memory.
     dx_stages: int = 4
     # WS: column blocks per weight-gradient task, one pipelined loop. 16 vs 8: 51.3 vs 54.2 ms
-    # forward+backward (DeepSeek-V3, 256 experts, H200).
+    # forward+backward (DeepSeek-V3, 256 experts, H200). A task rereads its own block of rows
+    # for each of its blocks, so where experts have many rows, the longer the strip, the more
+    # such blocks are in use at once: benchmarks/wgrad_l2_model.py puts the DeepSeek-V3
+    # 32-expert tasks' DRAM reads at 9.45 GB at 16 and 2.14 at 4 in a 25 MB LRU cache (stop 49,
+    # untimed; layer_backward.py variants strip4, strip8).
     wgrad_strip: int = 16
     # Pipeline stages of the weight-gradient strips (both gradients share one loop, so one set
     # of buffers, 48 KB per stage at 128 x 256): with the flat strip loop 4 needed 229 KB of
