@@ -48,6 +48,9 @@
 #                    swiglu_ahead, unprofiled
 #   stalls-strips    stall_profile.py on the backward at DeepSeek-V3 32 experts, strip4 then
 #                    the default: DRAM bytes read against every buffer read once
+#   stalls-shared    stall_profile.py on the forward at DeepSeek-V3 32 experts without its shared
+#                    expert, then with it: whether the shared tiles, which run only when no
+#                    routed task is ready, account for the reads beyond each buffer once
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
@@ -101,6 +104,10 @@ run_stage() {
                            --out "$out/stalls" && \
                        python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; \
                        first=$?; tar czf "$out/stalls_strips.tgz" -C "$out" stalls && rm -rf "$out/stalls" && \
+                       return $first ;;
+        stalls-shared) python benchmarks/stall_profile.py --case dsv3_rank --no-shared --out "$out/stalls" && \
+                       python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls"; \
+                       first=$?; tar czf "$out/stalls_shared.tgz" -C "$out" stalls && rm -rf "$out/stalls" && \
                        return $first ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \

@@ -13,8 +13,8 @@ One command on a GPU machine with ``ncu`` on the PATH::
 runs this script under ``ncu`` (``--target``: build the case's layer, call the fused forward
 twice to compile and warm up, then once more to be profiled; ``--backward`` profiles the
 backward launch of a training step instead; ``--variant`` builds the layer with one of
-``layer_backward.py``'s or ``layer_forward.py``'s tile variants) and writes, for
-CASE_DIRECTION (then _VARIANT): the report
+``layer_backward.py``'s or ``layer_forward.py``'s tile variants; ``--no-shared`` without
+the case's shared expert) and writes, for CASE_DIRECTION (then _VARIANT, _noshared): the report
 (``.ncu-rep``), its details page (``_details.txt``: speed of light, warp states, memory, and
 the bytes moved to and from DRAM and L2's lookups by kind, also printed), its
 source page per SASS instruction (``_sass.csv``) and per source line (``_lines.csv``), and
@@ -65,7 +65,7 @@ def variant_options(variant: str, backward: bool) -> dict:
     return VARIANTS[variant]
 
 
-def run_target(case: str, backward: bool, variant: str = "default") -> None:
+def run_target(case: str, backward: bool, variant: str = "default", shared: bool = True) -> None:
     """The profiled program: one case's fused layer at one rank, called until warm, then once more."""
     import torch
 
@@ -75,9 +75,10 @@ def run_target(case: str, backward: bool, variant: str = "default") -> None:
     EmulatedWorld.set_environment()
     preset, experts, _ = LAYER_CASES[case]
     torch.manual_seed(0)
+    without = {} if shared else {"num_shared_experts": 0}
     layer = getattr(ExpertLayer, preset)(num_experts=experts, dtype=torch.bfloat16, device="cuda",
                                          backend="kosmos", max_tokens_per_rank=TOKENS,
-                                         fused_options=variant_options(variant, backward))
+                                         fused_options=variant_options(variant, backward), **without)
     if layer.gate.e_score_correction_bias is not None:
         layer.gate.e_score_correction_bias.data.uniform_(-0.05, 0.05)
     layer.requires_grad_(backward)
@@ -162,7 +163,7 @@ def traffic(details: str) -> dict[str, float]:
     return found
 
 
-def once_traffic(case: str, backward: bool) -> dict[str, float]:
+def once_traffic(case: str, backward: bool, shared: bool = True) -> dict[str, float]:
     """Bytes the case's kernel reads and writes if each of its buffers is read once and written
     once (bf16 activations and weights, fp32 logits; one rank, every projection kept), the
     baseline for ``dram__bytes_read.sum`` and ``dram__bytes_write.sum``.
@@ -180,6 +181,8 @@ def once_traffic(case: str, backward: bool) -> dict[str, float]:
 
     preset, experts, _ = LAYER_CASES[case]
     c = replace({"deepseek_v3": DEEPSEEK_V3, "qwen3_235b": QWEN3_235B}[preset], num_experts=experts)
+    if not shared:
+        c = replace(c, num_shared_experts=0)
     T, H, I, E, K = TOKENS, c.hidden_size, c.moe_intermediate_size, c.num_experts, c.top_k
     I_s = c.shared_intermediate_size
     slots = K + (1 if I_s else 0)
@@ -197,9 +200,11 @@ def once_traffic(case: str, backward: bool) -> dict[str, float]:
     return {"read": read, "write": write}
 
 
-def profile(case: str, direction: str, out_dir: str, ncu: str, variant: str = "default") -> None:
+def profile(case: str, direction: str, out_dir: str, ncu: str, variant: str = "default",
+            shared: bool = True) -> None:
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.join(out_dir, f"{case}_{direction}" + ("" if variant == "default" else f"_{variant}"))
+    stem = os.path.join(out_dir, f"{case}_{direction}" + ("" if variant == "default" else f"_{variant}")
+                        + ("" if shared else "_noshared"))
     cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{KERNELS[direction]}", "--launch-skip", "2",
            "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats",
            "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis",
@@ -207,6 +212,8 @@ def profile(case: str, direction: str, out_dir: str, ncu: str, variant: str = "d
            sys.executable, os.path.abspath(__file__), "--target", "--case", case, "--variant", variant]
     if direction == "backward":
         cmd.append("--backward")
+    if not shared:
+        cmd.append("--no-shared")
     log(" ".join(cmd))
     t0 = time.time()
     if subprocess.run(cmd).returncode != 0:
@@ -228,7 +235,7 @@ def profile(case: str, direction: str, out_dir: str, ncu: str, variant: str = "d
     moved = traffic(details)
     if moved:
         log("traffic: " + ", ".join(f"{name} {value:,.0f}" for name, value in moved.items()))
-        once = once_traffic(case, direction == "backward")
+        once = once_traffic(case, direction == "backward", shared)
         for kind in ("read", "write"):
             got = moved.get(f"dram__bytes_{kind}.sum")
             if got is not None:
@@ -255,6 +262,8 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true", help="profile the backward launch of a training step")
     parser.add_argument("--variant", default="default",
                         help="a tile variant of layer_backward.py (with --backward) or layer_forward.py")
+    parser.add_argument("--no-shared", dest="shared", action="store_false",
+                        help="build the case without its shared expert (DeepSeek-V3's), to see what its tiles cost")
     parser.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/stalls")
     parser.add_argument("--aggregate", metavar="CSV", help="only print the per-line table of an export")
@@ -262,13 +271,13 @@ def main() -> None:
     if args.aggregate:
         print(aggregate(args.aggregate))
     elif args.target:
-        run_target(args.case, args.backward, args.variant)
+        run_target(args.case, args.backward, args.variant, args.shared)
     else:
         variant_options(args.variant, args.backward)  # an unknown variant fails here, before ncu starts
         ncu = shutil.which("ncu")
         if ncu is None:
             raise SystemExit("stall_profile.py needs Nsight Compute's ncu on the PATH")
-        profile(args.case, "backward" if args.backward else "forward", args.out, ncu, args.variant)
+        profile(args.case, "backward" if args.backward else "forward", args.out, ncu, args.variant, args.shared)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,7 @@ def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
     }
     text = (ROOT / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
     stages = re.findall(r"^\s+[\w-]+\)\s+(python .*?;;)", text, re.M)
-    assert len(stages) == 17, stages
+    assert len(stages) == 18, stages
     commands = []
     for stage in stages:
         for part in re.split(r"&&|;", stage.split(";;")[0]):
@@ -224,6 +224,10 @@ def test_stall_profile_once_traffic(monkeypatch):
     inter, comb, out = 2 * T * (K * I + I), 2 * T * (K + 1) * H, 2 * T * H
     assert stall.once_traffic("dsv3_rank", backward=False) == {"read": weights + out + inter + comb,
                                                                 "write": inter + comb + out}
+    # Without the shared expert: its weights, intermediate rows and combine rows (slot K) go.
+    alone = stall.once_traffic("dsv3_rank", backward=False, shared=False)
+    assert alone == {"read": weights - 2 * 3 * H * I + out + 2 * T * K * I + 2 * T * K * H,
+                     "write": 2 * T * K * I + 2 * T * K * H + out}
     back = stall.once_traffic("dsv3_rank", backward=True)
     assert back["write"] > 2 * 3 * 32 * H * I > 0.5 * back["write"]
     assert round(back["read"] / 1e9, 2) == 5.08 and round(back["write"] / 1e9, 2) == 4.75
