@@ -30,6 +30,7 @@ from torch import nn
 from common import require_cuda
 
 from kosmos_moe import ExpertLayer
+from kosmos_moe.config import DEEPSEEK_V3, QWEN3_235B, MoEConfig
 from kosmos_moe.fabric import EmulatedWorld
 from kosmos_moe.workspace import GPU_TILES
 
@@ -43,6 +44,17 @@ CASES = {
     "qwen3_full": ("qwen3_235b", 128, 1),
     "dsv3_emulated8": ("deepseek_v3", 256, 8),  # 8 virtual ranks x 4096 tokens vs EP=1 on 32768
 }
+
+# The cases of one rank (an emulated world's ranks would be serialised under a profiler).
+ONE_RANK_CASES = tuple(name for name, (_, _, ranks) in CASES.items() if ranks == 1)
+
+
+def case_config(name: str, **overrides) -> MoEConfig:
+    """The layer shape of case ``name`` (its preset with the case's expert count)."""
+    preset, experts, _ = CASES[name]
+    preset_config = {"deepseek_v3": DEEPSEEK_V3, "qwen3_235b": QWEN3_235B}[preset]
+    return dataclasses.replace(preset_config, num_experts=experts, **overrides)
+
 
 TILE_VARIANTS = {
     "default": GPU_TILES,

@@ -37,13 +37,13 @@ import subprocess
 import sys
 import time
 
-from layer_forward import CASES as LAYER_CASES, TILE_VARIANTS as FORWARD_VARIANTS, TOKENS
+from layer_forward import CASES as LAYER_CASES, ONE_RANK_CASES, TOKENS, case_config
+from layer_forward import TILE_VARIANTS as FORWARD_VARIANTS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 KERNELS = {"forward": "expert_forward_kernel", "backward": "expert_backward_kernel"}
-# layer_forward.py's one-rank cases (an emulated world's ranks would be serialised by ncu).
-CASES = tuple(name for name, (_, _, ranks) in LAYER_CASES.items() if ranks == 1)
+CASES = ONE_RANK_CASES
 
 
 def log(msg: str) -> None:
@@ -175,14 +175,7 @@ def once_traffic(case: str, backward: bool, shared: bool = True) -> dict[str, fl
     weights (dx and SwiGLU-backward tiles), the kept projections, the copied rows, ``[dg du]``,
     ``w h``, the combine rows and the logits; writes the copied rows, ``[dg du]``, ``w h``,
     the combine rows, the input gradient, the weight gradients and the logits' gradient."""
-    from dataclasses import replace
-
-    from kosmos_moe.config import DEEPSEEK_V3, QWEN3_235B
-
-    preset, experts, _ = LAYER_CASES[case]
-    c = replace({"deepseek_v3": DEEPSEEK_V3, "qwen3_235b": QWEN3_235B}[preset], num_experts=experts)
-    if not shared:
-        c = replace(c, num_shared_experts=0)
+    c = case_config(case, **({} if shared else {"num_shared_experts": 0}))
     T, H, I, E, K = TOKENS, c.hidden_size, c.moe_intermediate_size, c.num_experts, c.top_k
     I_s = c.shared_intermediate_size
     slots = K + (1 if I_s else 0)

@@ -28,10 +28,9 @@ import heapq
 import math
 import random
 
-# (hidden, intermediate, local experts) of layer_forward.py's one-rank cases; 4096 tokens, top-8.
-SHAPES = {"dsv3_rank": (7168, 2048, 32), "qwen3_rank": (4096, 1536, 16), "dsv3_full": (7168, 2048, 256),
-          "qwen3_full": (4096, 1536, 128)}
-TOKENS, TOP_K, WORKERS = 4096, 8, 132
+from layer_forward import ONE_RANK_CASES, TOKENS, case_config
+
+WORKERS = 132
 BWM, BWN, BKW = 128, 256, 64  # BackwardTiles.wgrad_rows, wgrad_cols, wgrad_depth
 
 
@@ -51,11 +50,12 @@ def tickets(counts: list[int], H: int, I: int, strip: int) -> list[tuple[int, li
 def dram_reads(case: str, strip: int, cache_mb: float, step_us: float = 0.97, block_us: float = 4.5,
                seed: int = 0) -> dict[str, float]:
     """Bytes the weight-gradient tasks read from L2, the LRU misses, and each operand read once."""
-    H, I, E = SHAPES[case]
+    c = case_config(case)
+    H, I, E = c.hidden_size, c.moe_intermediate_size, c.num_experts
     rng = random.Random(seed)
     counts = [0] * E
     for _ in range(TOKENS):
-        for e in rng.sample(range(E), TOP_K):
+        for e in rng.sample(range(E), c.top_k):
             counts[e] += 1
     free = [(0.0, w) for w in range(WORKERS)]
     heapq.heapify(free)
@@ -87,7 +87,7 @@ def dram_reads(case: str, strip: int, cache_mb: float, step_us: float = 0.97, bl
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", choices=list(SHAPES), default=["dsv3_rank", "qwen3_rank"])
+    parser.add_argument("--cases", nargs="+", choices=ONE_RANK_CASES, default=["dsv3_rank", "qwen3_rank"])
     parser.add_argument("--strips", nargs="+", type=int, default=[16, 8, 4], help="blocks per task")
     parser.add_argument("--cache-mb", nargs="+", type=float, default=[25, 50])
     args = parser.parse_args()
@@ -95,8 +95,9 @@ def main() -> None:
         for cache_mb in args.cache_mb:
             for strip in args.strips:
                 r = dram_reads(case, strip, cache_mb)
-                print(f"{case:10s} {cache_mb:4.0f} MB cache, {strip:2d} blocks a task: L2 reads {r['l2_reads'] / 1e9:5.1f} GB, "
-                      f"DRAM reads {r['dram_reads'] / 1e9:5.2f} GB (each operand once: {r['once'] / 1e9:.2f})", flush=True)
+                print(f"{case:10s} {cache_mb:4.0f} MB cache, {strip:2d} blocks a task: "
+                      f"L2 reads {r['l2_reads'] / 1e9:5.1f} GB, DRAM reads {r['dram_reads'] / 1e9:5.2f} GB "
+                      f"(each operand once: {r['once'] / 1e9:.2f})", flush=True)
 
 
 if __name__ == "__main__":
