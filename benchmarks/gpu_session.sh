@@ -64,6 +64,12 @@ out="${OUT:-results/gpu_session}"
 mkdir -p "$out"
 [ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 2; }
 
+# Pack the profiles under $out/stalls as $out/NAME.tgz (a device call returns at most eight files),
+# then return STATUS, the profiles' own.
+pack_profiles() {
+    tar czf "$out/$2.tgz" -C "$out" stalls && rm -rf "$out/stalls" && return "$1"
+}
+
 run_stage() {
     case "$1" in
         tests-backward) python -m pytest -q -x tests/test_fused_backward_gpu.py tests/test_training_gpu.py \
@@ -103,17 +109,15 @@ run_stage() {
         stalls-strips) python benchmarks/stall_profile.py --case dsv3_rank --backward --variant strip4 \
                            --out "$out/stalls" && \
                        python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; \
-                       first=$?; tar czf "$out/stalls_strips.tgz" -C "$out" stalls && rm -rf "$out/stalls" && \
-                       return $first ;;
+                       pack_profiles $? stalls_strips ;;
         stalls-shared) python benchmarks/stall_profile.py --case dsv3_rank --no-shared --out "$out/stalls" && \
                        python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls"; \
-                       first=$?; tar czf "$out/stalls_shared.tgz" -C "$out" stalls && rm -rf "$out/stalls" && \
-                       return $first ;;
+                       pack_profiles $? stalls_shared ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \
-                    python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; first=$?; \
-                    tar czf "$out/stalls.tgz" -C "$out" stalls && rm -rf "$out/stalls" && return $first ;;
+                    python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; \
+                    pack_profiles $? stalls ;;
         host-blocking) python benchmarks/host_blocking.py --out "$out/host_blocking.json"; first=$?; \
                            KOSMOS_SAMPLE_STACKS="$out/stacks" python -m pytest -q \
                            "tests/test_fused_backward_gpu.py::test_other_router_shared_combinations[softmax_shared]" \
