@@ -185,11 +185,13 @@ def once_traffic(case: str, backward: bool, shared: bool = True) -> dict[str, fl
         inter, comb = bf16 * T * (K * I + I_s), bf16 * T * slots * H
         return {"read": weights + bf16 * T * H + inter + comb,
                 "write": inter + comb + bf16 * T * H}
-    rows, proj = bf16 * T * K * H, bf16 * T * K * I
-    comb = bf16 * T * (K + 1) * H  # the routed rows and the router's part
-    read = (2 * bf16 * T * H + bf16 * 3 * E * H * I + 2 * proj + 2 * rows + 2 * proj + proj + comb
-            + fp32 * T * E + bf16 * E * H)
-    write = 2 * rows + 2 * proj + proj + comb + bf16 * T * H + bf16 * 3 * E * H * I + fp32 * T * E
+    copies = 2 * bf16 * T * K * H     # the tokens' and output gradients' rows, expert-major
+    kept = dgu = 2 * bf16 * T * K * I  # the kept [g u] and the computed [dg du]
+    hw = bf16 * T * K * I
+    comb = bf16 * T * (K + 1) * H      # the routed rows and the router's part
+    weights, logits = bf16 * 3 * E * H * I, fp32 * T * E
+    read = 2 * bf16 * T * H + weights + kept + copies + dgu + hw + comb + logits + bf16 * E * H
+    write = copies + dgu + hw + comb + bf16 * T * H + weights + logits
     return {"read": read, "write": write}
 
 
