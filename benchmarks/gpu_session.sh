@@ -40,12 +40,10 @@
 #                    up in one reduction at any expert count against never (the default does it
 #                    from 256 local experts, Tiles.merged_lookup_from), in both orders
 #   variants-strips  layer_backward.py --profile at DeepSeek-V3 32 and Qwen3 16 experts, the
-#                    default (16 blocks per weight-gradient task) against 4 and 8 blocks
-#                    (strip4, strip8: fewer row blocks reread at once, benchmarks/
-#                    wgrad_l2_model.py) and the SwiGLU-backward epilogue's projections
-#                    requested ahead (swiglu_ahead)
-#   variants-strips-full  the same at 256 and 128 experts, default against strip4 and
-#                    swiglu_ahead, unprofiled
+#                    default (16 blocks per weight-gradient task) against 8 and 4 blocks
+#                    (strip8, strip4: fewer row blocks reread at once, benchmarks/
+#                    wgrad_l2_model.py), then unprofiled in the other order
+#   variants-strips-full  the same at 256 and 128 experts, both orders unprofiled
 #   stalls-strips    stall_profile.py on the backward at DeepSeek-V3 32 experts, strip4 then
 #                    the default: DRAM bytes read against every buffer read once
 #   stalls-shared    stall_profile.py on the forward at DeepSeek-V3 32 experts without its shared
@@ -103,9 +101,13 @@ run_stage() {
                          python benchmarks/layer_forward.py --cases dsv3_full qwen3_full dsv3_rank qwen3_rank \
                              --out "$out/variants_lookup_reversed.json" --variants merged_lookup separate_lookup ;;
         variants-strips) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank --profile \
-                             --out "$out/variants_strips.json" --variants default strip4 strip8 swiglu_ahead ;;
+                             --out "$out/variants_strips.json" --variants default strip8 strip4 && \
+                         python benchmarks/layer_backward.py --cases qwen3_rank dsv3_rank \
+                             --out "$out/variants_strips_reversed.json" --variants strip4 strip8 default ;;
         variants-strips-full) python benchmarks/layer_backward.py --cases dsv3_full qwen3_full \
-                                  --out "$out/variants_strips_full.json" --variants default strip4 swiglu_ahead ;;
+                                  --out "$out/variants_strips_full.json" --variants default strip8 strip4 && \
+                              python benchmarks/layer_backward.py --cases qwen3_full dsv3_full \
+                                  --out "$out/variants_strips_full_reversed.json" --variants strip4 strip8 default ;;
         stalls-strips) python benchmarks/stall_profile.py --case dsv3_rank --backward --variant strip4 \
                            --out "$out/stalls" && \
                        python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; \

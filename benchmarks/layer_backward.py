@@ -58,10 +58,13 @@ VARIANTS = {
     "shared_recompute": {"save_shared": False},
     "saved_cols64": _backward_tiles(swiglu_cols=64),
     "pointer_weights": {"tiles": dataclasses.replace(GPU_TILES, tma=False)},
+    # Eight and four column blocks per weight-gradient task: at DeepSeek-V3 32 experts 7 tasks
+    # share each dW[g;u] row block at 4 and 2 each dWd row block (2 and 1 at 16 blocks), so
+    # fewer of the row blocks that every task rereads for each of its blocks are in use at once.
+    # Stop 50 (H100 80GB): strip4 read 4.6 GB less from DRAM in the DeepSeek-V3 32-expert
+    # backward but took as long; strip8 was 2% faster at Qwen3 16 experts, 1% at 128, 0.8%
+    # slower at DeepSeek-V3 256 and even at 32 (BackwardTiles.wgrad_strip).
     "strip8": _backward_tiles(wgrad_strip=8),
-    # Four column blocks per weight-gradient task: at DeepSeek-V3 32 experts 7 tasks share each
-    # dW[g;u] row block and 2 each dWd row block (2 and 1 at 16 blocks), so fewer of the row
-    # blocks that every task rereads for each of its blocks are in use at once.
     "strip4": _backward_tiles(wgrad_strip=4),
     "rows64": _backward_tiles(rows=64),
     "dx_stages3": _backward_tiles(dx_stages=3),
@@ -97,9 +100,6 @@ VARIANTS = {
     # The weight-gradient blocks stored without the L2 evict-first policy (the default until
     # stop 42).
     "wgrad_keep_in_l2": _backward_tiles(wgrad_evict_first=False),
-    # The SwiGLU-backward epilogue's next part's kept projections requested ahead of this
-    # part's math and stores (BackwardTiles.swiglu_epilogue_ahead).
-    "swiglu_ahead": _backward_tiles(swiglu_epilogue_ahead=True),
 }
 
 

@@ -286,12 +286,6 @@ class BackwardTiles:
     # The kept-projection SwiGLU-backward epilogue runs in column halves, or in quarters where a
     # quarter is at least this wide (256-column tiles).
     swiglu_epilogue_cols: int = 64
-    # Each part of that epilogue requests the next part's kept projections (gathered by row)
-    # before its own math and stores, instead of after them. The epilogue took about 25 us of a
-    # 116 us tile at every shape (stop 36), 0.4 ms busy per worker at DeepSeek-V3 32 experts,
-    # and its loads of the kept projections 2.0% of the backward's warp samples there (stop 49,
-    # stall_profile.py). Off until timed (layer_backward.py variant swiglu_ahead).
-    swiglu_epilogue_ahead: bool = False
     recompute_cols: int = 64
     # BN of the dx tiles. 256 compiles beside 128 x 256 weight-gradient tiles only with
     # per-block weight-gradient loops (wgrad_block_loops; else C7512). H100 80GB, stop 34,
@@ -409,7 +403,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, EPI_AHEAD=self.swiglu_epilogue_ahead, num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
         )
 
 

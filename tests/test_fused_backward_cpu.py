@@ -308,8 +308,7 @@ def check_gemm_operands(rank, world, items, tma, block_loops):
 
     # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters.
     tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma,
-                                wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16,
-                                swiglu_epilogue_ahead=block_loops)
+                                wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16)
     check_cases(rank, world, items, backward_tiles=tiles)
     _, fused = build(world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
@@ -325,8 +324,7 @@ def test_backward_gemm_operands(tma, block_loops):
     TMA (the default here: the interpreter emulates it); the one_rank skew leaves the first
     rank's experts without rows, whose weight gradients must be zeros. The pointer run also
     reduces each weight-gradient strip in one flat loop (wgrad_block_loops off) and runs the
-    SwiGLU-backward epilogue in column halves (swiglu_epilogue_cols), the defaults until stop 34;
-    the TMA run requests each epilogue quarter's kept projections ahead (swiglu_epilogue_ahead)."""
+    SwiGLU-backward epilogue in column halves (swiglu_epilogue_cols), the defaults until stop 34."""
     run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, block_loops, env=INTERPRET)
 
 
