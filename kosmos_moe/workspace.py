@@ -338,9 +338,13 @@ class BackwardTiles:
     # WS: column blocks per weight-gradient task, one pipelined loop. 16 vs 8: 51.3 vs 54.2 ms
     # forward+backward (DeepSeek-V3, 256 experts, H200). A task rereads its own block of rows
     # for each of its blocks, so where experts have many rows, the longer the strip, the more
-    # such blocks are in use at once: benchmarks/wgrad_l2_model.py puts the DeepSeek-V3
-    # 32-expert tasks' DRAM reads at 9.45 GB at 16 and 2.14 at 4 in a 25 MB LRU cache (stop 49,
-    # untimed; layer_backward.py variants strip4, strip8).
+    # such blocks are in use at once (benchmarks/wgrad_l2_model.py). H100 80GB, stop 50,
+    # forward+backward ms, 16 / 8 / 4 (layer_backward.py variants strip8, strip4), first run:
+    # DeepSeek-V3 32 experts 18.01 / 18.11 / 18.33, Qwen3 16 7.40 / 7.24 / 7.27, DeepSeek-V3
+    # 256 36.29 / 36.60 / 37.71, Qwen3 128 11.17 / 11.08 / 11.26; 8 against 16 in the other
+    # order 18.10 / 18.26, 7.31 / 7.46, 36.54 / 36.27, 11.15 / 11.27. At 4, DRAM read 11.5 GB
+    # against 16.1 in the DeepSeek-V3 32-expert backward (stall_profile.py), its weight
+    # gradients as long (4.97 ms busy per worker): those loops wait on latency, not DRAM bytes.
     wgrad_strip: int = 16
     # Pipeline stages of the weight-gradient strips (both gradients share one loop, so one set
     # of buffers, 48 KB per stage at 128 x 256): with the flat strip loop 4 needed 229 KB of
