@@ -25,8 +25,8 @@ import time
 import torch
 from torch import nn
 
-from common import require_cuda
-from layer_forward import CASES, TOKENS, ceilings, describe_task_times, log, task_times, timed, work
+from common import AGREEMENT, disagreement, disagrees, require_cuda
+from layer_forward import CASES, TOKENS, WRONG, ceilings, describe_task_times, exit_if_wrong, log, task_times, timed, work
 
 from kosmos_moe import ExpertLayer
 from kosmos_moe.activation_memory import saved_bytes
@@ -135,18 +135,6 @@ def peak_above(step) -> float:
     return torch.cuda.max_memory_allocated() - base
 
 
-def max_diff(parts: list[torch.Tensor], whole: torch.Tensor, chunk: int = 8) -> float:
-    """Largest ``|cat(parts) - whole|``, in fp32, a few leading-dimension slices at a time."""
-    worst, at = 0.0, 0
-    for part in parts:
-        for i in range(0, part.shape[0], chunk):
-            piece = part[i: i + chunk]
-            ref = whole[at + i: at + i + piece.shape[0]]
-            worst = max(worst, (piece.float() - ref.float()).abs().max().item())
-        at += part.shape[0]
-    return worst
-
-
 def kernel_breakdown(step, top: int = 12) -> list[dict]:
     """Device time of every kernel that one ``step()`` launches, by kernel name, largest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -230,12 +218,17 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default", tra
     t_fused_sync = timed(fused_step, warmup=0, iters=6, queued=False)
     fused_peak = peak_above(fused_step)
     fused_saved = sum(saved_bytes(lambda r=r: layers[r](xs[r]), full) for r in range(ranks))
-    err = {
-        "dx": max_diff([x.grad for x in xs], ref_grads[0]),
-        "d_gate_up": max_diff([layer.experts.gate_up_proj.grad for layer in layers], ref_grads[1]),
-        "d_down": max_diff([layer.experts.down_proj.grad for layer in layers], ref_grads[2]),
-        "d_router": (full.gate.weight.grad.float() - ref_grads[3]).abs().max().item(),
+    # Each gradient: the fused ranks' parts, the reference's whole, whether its rows are tokens'.
+    grads = {
+        "dx": ([x.grad for x in xs], ref_grads[0], True),
+        "d_gate_up": ([layer.experts.gate_up_proj.grad for layer in layers], ref_grads[1], False),
+        "d_down": ([layer.experts.down_proj.grad for layer in layers], ref_grads[2], False),
+        "d_router": ([full.gate.weight.grad], ref_grads[3], False),
     }
+    agreement = {k: disagreement(parts, whole) for k, (parts, whole, _) in grads.items()}
+    err = {k: a["max_abs"] for k, a in agreement.items()}
+    wrong = [k for k, (_, _, token_rows) in grads.items() if disagrees(agreement[k], token_rows)]
+    del grads
     workspace = sum(layer.fused().layout.nbytes + layer.fused().backward.layout.nbytes for layer in layers)
 
     w = work(full.config, TOKENS * ranks, experts)
@@ -251,13 +244,19 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default", tra
         "reference_saved_bytes_per_token": ref_saved / (TOKENS * ranks),
         "fused_saved_bytes_per_token": fused_saved / (TOKENS * ranks),
         "max_abs_diff_vs_reference": err,
+        "disagreement_vs_reference": agreement,
     }
     log(f"[{name}/{variant}] fused fwd+bwd {t_fused * 1e3:.3f} ms, x{t_ref / t_fused:.2f} vs reference "
         f"{t_ref * 1e3:.3f} ms (synchronised steps {t_fused_sync * 1e3:.3f} vs {t_ref_sync * 1e3:.3f} ms, "
         f"x{t_ref_sync / t_fused_sync:.2f}), "
         f"{100 * roof / t_fused:.0f}% of roofline; peak {fused_peak / 2**30:.2f} GiB (workspaces "
         f"{workspace / 2**30:.2f} GiB, allocated once) vs {ref_peak / 2**30:.2f}; saved per token "
-        f"{fused_saved / (TOKENS * ranks):.0f} B vs {ref_saved / (TOKENS * ranks):.0f} B; max diff {err}")
+        f"{fused_saved / (TOKENS * ranks):.0f} B vs {ref_saved / (TOKENS * ranks):.0f} B; max diff {err}; off the "
+        "reference overall (worst row) " + ", ".join(f"{k} {a['relative']:.2e} ({a['worst_row']:.2e})"
+                                                     for k, a in agreement.items()))
+    if wrong:
+        WRONG.append(f"{name}/{variant}")
+        log(f"[{name}/{variant}] WRONG: {', '.join(wrong)} disagree with the reference beyond {AGREEMENT}")
     if trace:
         result["reference_kernels"] = kernel_breakdown(ref_step)
         result["fused_kernels"] = kernel_breakdown(fused_step)
@@ -326,6 +325,7 @@ def main() -> None:
         print(f"{r['case']:16} {r['tiles']:15} {r['reference_ms']:8.2f} {r['fused_ms']:9.2f} {r['speedup_vs_reference']:8.2f} "
               f"{100 * r['roofline_fraction']:8.0f}% {r['reference_peak_gib']:8.2f} {r['fused_peak_gib']:9.2f} "
               f"{r['reference_saved_bytes_per_token']:10.0f} {r['fused_saved_bytes_per_token']:11.0f}")
+    exit_if_wrong()
 
 
 if __name__ == "__main__":

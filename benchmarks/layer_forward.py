@@ -27,7 +27,7 @@ import time
 import torch
 from torch import nn
 
-from common import require_cuda
+from common import AGREEMENT, disagreement, disagrees, require_cuda
 
 from kosmos_moe import ExpertLayer
 from kosmos_moe.config import DEEPSEEK_V3, QWEN3_235B, MoEConfig
@@ -103,6 +103,11 @@ TILE_VARIANTS = {
     # equal work 65.3 against 50.1 us).
     "rows256": dataclasses.replace(GPU_TILES, rows=256, gate_up_cols=64, down_cols=128),
 }
+
+
+# Cases and variants whose results disagreed with the reference: the run goes on to time the
+# rest, then exits with status 1 naming them.
+WRONG: list[str] = []
 
 
 def log(*args) -> None:
@@ -258,6 +263,7 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
                 layer.fused().raise_if_failed()
             out = torch.cat(outs)
             err = (out.float() - ref_out.float()).abs()
+            agreement = disagreement([out], ref_out)
             t_fused = timed(call)
             t_fused_sync = timed(call, queued=False)
             # A profiled run: the same kernel with per-task timers.
@@ -285,6 +291,7 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
             "per_worker_busy_ms": {k: s * 1e3 for k, s in busy.items()},
             "routed_tiles": tile_us,
             "max_abs_diff_vs_reference": err.max().item(), "mean_abs_diff_vs_reference": err.mean().item(),
+            "disagreement_vs_reference": agreement,
         }
         v["in_kernel_gemm_vs_grouped_mm"] = v["in_kernel_gemm_tflops"] / result["grouped_mm_tflops"]
         result["variants"][label] = v
@@ -292,7 +299,12 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
             f"(synchronised calls {t_fused_sync * 1e3:.3f} ms, x{t_ref_sync / t_fused_sync:.2f}), "
             f"{100 * roof / t_fused:.0f}% of roofline, GEMM {v['in_kernel_gemm_tflops']:.0f} TFLOP/s in kernel "
             f"vs grouped_mm {result['grouped_mm_tflops']:.0f}; busy ms "
-            + ", ".join(f"{k} {s * 1e3:.3f}" for k, s in busy.items()) + "; per tile " + describe_task_times(tile_us))
+            + ", ".join(f"{k} {s * 1e3:.3f}" for k, s in busy.items()) + "; per tile " + describe_task_times(tile_us)
+            + f"; output off the reference by {agreement['relative']:.2e} overall, {agreement['worst_row']:.2e} "
+              "at worst in a row")
+        if disagrees(agreement, token_rows=True):
+            WRONG.append(f"{name}/{label}")
+            log(f"[{name}/{label}] WRONG: the output disagrees with the reference beyond {AGREEMENT}: {agreement}")
         # Every name that reaches this world goes, the loops' last layer too: its fabric holds
         # the world and so every rank's workspace (stop 44: the second variant of dsv3_emulated8
         # ran out of an H100's memory beside the first one's 8 x 5 GB).
@@ -336,6 +348,14 @@ def main() -> None:
                   f"{v['in_kernel_gemm_tflops']:10.0f} {r['grouped_mm_tflops']:9.0f} "
                   f"{r['reference_synchronised_call_ms']:8.3f} {v['fused_synchronised_call_ms']:9.3f} "
                   f"{v['synchronised_call_speedup_vs_reference']:9.2f}")
+    exit_if_wrong()
+
+
+def exit_if_wrong() -> None:
+    """Exit with status 1, naming them, if any case's results disagreed with the reference."""
+    if WRONG:
+        log(f"results that disagree with the reference (timed anyway, not to be reported): {', '.join(WRONG)}")
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -243,3 +243,37 @@ def test_wgrad_l2_model(monkeypatch):
     assert long["l2_reads"] == short["l2_reads"]
     assert long["dram_reads"] > 1.5 * short["dram_reads"] > 1.5 * short["once"]
     assert long["once"] <= model.dram_reads("qwen3_rank", 16, 1e6)["dram_reads"] <= 1.02 * long["once"]
+
+
+def test_disagreement_flags_wrong_results_not_rounding(monkeypatch):
+    """benchmarks/common.disagreement, which layer_forward.py and layer_backward.py use to refuse
+    timing a wrong kernel: bf16 rounding of both sides passes; one token's row lost, or every
+    row a quarter short (an expert's share of top-4 dropped), fails; a weight gradient's rows
+    are not judged one by one; parts of a split match the whole they came from."""
+    common = benchmark_module("common", monkeypatch)
+    torch.manual_seed(0)
+    truth = torch.randn(4096, 512)
+    ref = truth.to(torch.bfloat16)
+    fused = (truth + 2e-3 * torch.randn_like(truth)).to(torch.bfloat16)
+    parts = list(fused.split([1000, 0, 3096]))
+    rounded = common.disagreement(parts, ref, elements=4096)
+    assert rounded["relative"] < 1e-2 and rounded["worst_row"] < 2e-2
+    assert rounded["max_abs"] == (fused.float() - ref.float()).abs().max().item()
+    assert not common.disagrees(rounded, token_rows=True)
+
+    lost = fused.clone()
+    lost[1234] = 0
+    row = common.disagreement([lost], ref)
+    assert row["relative"] < common.AGREEMENT["relative"] < row["worst_row"]
+    assert common.disagrees(row, token_rows=True) and not common.disagrees(row, token_rows=False)
+    short = common.disagreement([fused * 0.75], ref)
+    assert common.disagrees(short, token_rows=False)
+
+    # A [experts, rows, cols] gradient, an expert with no tokens (zeros on both sides).
+    grad = torch.randn(4, 64, 32)
+    grad[2] = 0
+    same = common.disagreement([grad[:1], grad[1:]], grad, elements=100)
+    assert same == {"relative": 0.0, "worst_row": 0.0, "max_abs": 0.0}
+    stray = grad.clone()
+    stray[2, 5, 7] = 1.0
+    assert common.disagreement([stray], grad)["worst_row"] > 1

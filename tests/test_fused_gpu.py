@@ -88,6 +88,14 @@ def test_two_workers_per_sm(world):
     assert layers[0].fused().workers == 2 * sms // world
 
 
+@pytest.mark.parametrize("case, world", [("softmax", 1), ("sigmoid_group_shared", 3)])
+def test_merged_expert_lookup(case, world):
+    # Each routed tile's four expert entries looked up in one reduction: the default from 256
+    # local experts (Tiles.merged_lookup_from, DeepSeek-V3 at EP=1), which no other shape here
+    # reaches, so it is forced from one.
+    run_and_check(case, world, tiles=replace(GPU_TILES, merged_lookup_from=1))
+
+
 def test_weight_l2_promotion():
     # Weight descriptors re-encoded with 256-byte L2 promotion (kosmos_moe.tma_promotion): the
     # hook found Triton's maps as it encodes them, replaced them, and the results are unchanged.
