@@ -30,6 +30,8 @@ to be), so the code is what the GPU would build; nothing runs. What ``--check`` 
     python benchmarks/kernel_resources.py                         # DeepSeek-V3 rank view
     python benchmarks/kernel_resources.py --case qwen3_full --backward-tiles dx_stages=3
     python benchmarks/kernel_resources.py --check                 # exit 1 on a finding
+    python benchmarks/kernel_resources.py --kernels forward plain_gate_up --sass-loops
+                        # each GEMM loop's machine code a step, in the fused kernel and alone
     python benchmarks/kernel_resources.py --case dsv3_full --ranks 2 --tokens 512   # an EP=2 rank
     python benchmarks/kernel_resources.py --kernels backward --spills 8   # where it spills
 """
@@ -55,6 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 # so it is switched on afterwards, only to build them; no kernel is run.
 os.environ["TRITON_INTERPRET"] = "0"
 from kosmos_moe.kernels import expert_backward, expert_forward  # noqa: E402
+import gemm_tiles  # noqa: E402  (its plain-grid kernels, compiled too)
+from layer_forward import case_config  # noqa: E402
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -170,19 +174,21 @@ def code_bytes(cubin: str, kernel_name: str) -> int:
 _SASS_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
-def spill_sites(ptx_path: str, tmp: str, top: int) -> list[dict]:
-    """The ``top`` source lines with the most spill instructions (``STL``/``LDL``) in the SASS.
-
+def line_sass(ptx_path: str, tmp: str) -> str | None:
+    """The kernel's SASS with each instruction's innermost source line (``//## File`` lines):
     ptxas compiles the PTX again with line information (the code is the same) and nvdisasm
-    maps each instruction to its innermost source line, inlined helpers included.
-    """
+    disassembles it, inlined helpers included. None without an nvdisasm beside ptxas."""
     tool = ptxas_tool().path
     nvdisasm = os.path.join(os.path.dirname(tool), "nvdisasm")
     if not os.path.exists(nvdisasm):
-        return [{"line": f"(no nvdisasm beside {tool})", "stores": 0, "loads": 0}]
+        return None
     cubin = os.path.join(tmp, "lines.cubin")
     subprocess.run([tool, "-arch=sm_90a", "-lineinfo", ptx_path, "-o", cubin], check=True, capture_output=True)
-    sass = subprocess.run([nvdisasm, "-g", "-c", cubin], check=True, capture_output=True, text=True).stdout
+    return subprocess.run([nvdisasm, "-g", "-c", cubin], check=True, capture_output=True, text=True).stdout
+
+
+def spill_sites(sass: str, top: int) -> list[dict]:
+    """The ``top`` source lines with the most spill instructions (``STL``/``LDL``) in ``sass``."""
     sites: dict[str, dict] = {}
     line = "?"
     for text in sass.splitlines():
@@ -195,9 +201,77 @@ def spill_sites(ptx_path: str, tmp: str, top: int) -> list[dict]:
     return sorted(sites.values(), key=lambda s: -(s["stores"] + s["loads"]))[:top]
 
 
-def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, spill_lines: int = 0) -> dict:
+_SASS_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_SASS_INSTRUCTION = re.compile(r"^\s*/\*[0-9a-f]+\*/\s+(.*?)\s*;")
+_SASS_BRANCH = re.compile(r"\bBRA\b.*?(\.L_x_\d+)")
+# What a GEMM step is made of: tensor-core products, asynchronous copies by thread (LDGSTS) and
+# by the copy engine (UTMALDG), their waits (DEPBAR; SYNCS: mbarrier operations), CTA barriers,
+# plain global loads and stores, and spills.
+SASS_OPS = ("HGMMA", "LDGSTS", "UTMALDG", "DEPBAR", "SYNCS", "BAR", "LDG", "STG", "LDL", "STL")
+
+
+def sass_loops(sass: str) -> list[dict]:
+    """Each innermost loop of ``sass`` that issues wgmma (``HGMMA``): its source line (the line
+    with the most of its instructions), its instructions per iteration and how many of each of
+    :data:`SASS_OPS`, so that one loop's code can be compared with another's (the fused kernel's
+    routed gate/up loop with gemm_tiles.py's, say) without a GPU."""
+    instructions, labels, line = [], {}, "?"
+    for text in sass.splitlines():
+        if m := _SASS_LABEL.match(text):
+            labels[m.group(1)] = len(instructions)
+        elif m := _SASS_LINE.search(text):
+            line = f"{os.path.basename(m.group(1))}:{m.group(2)}"
+        elif m := _SASS_INSTRUCTION.match(text):
+            instructions.append((m.group(1), line))
+    spans = []
+    for end, (text, _) in enumerate(instructions):
+        m = _SASS_BRANCH.search(text)
+        if m and m.group(1) in labels and labels[m.group(1)] <= end:
+            spans.append((labels[m.group(1)], end))
+    loops = []
+    for start, end in spans:
+        if any(start <= s and e <= end and (s, e) != (start, end) for s, e in spans):
+            continue  # not innermost
+        body = instructions[start:end + 1]
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0] for text, _ in body]
+        if "HGMMA" not in ops:
+            continue
+        lines: dict[str, int] = {}
+        for _, at in body:
+            lines[at] = lines.get(at, 0) + 1
+        loops.append({"source": max(lines, key=lines.get), "instructions": len(body),
+                      **{op: ops.count(op) for op in SASS_OPS}})
+    return loops
+
+
+def plain_gate_up_call(case: str, tiles, tokens: int) -> tuple:
+    """gemm_tiles.py's plain grid of one-dot gate/up tiles, rows gathered by pointers and weights
+    by TMA, at ``case``'s shape and the forward's tiles, as (kernel, args, constants): the same
+    tile function as the fused kernel's routed gate/up tiles, alone in a grid of its own (stop
+    44: 729 TFLOP/s there, about 630 in the fused kernel, DeepSeek-V3 32 experts, H100)."""
+    config = case_config(case)
+    H, I, E = config.hidden_size, config.moe_intermediate_size, config.num_experts
+    rows = tokens * config.top_k
+    x = torch.empty(tokens, H, dtype=torch.bfloat16)
+    gathered = torch.empty(rows, H, dtype=torch.bfloat16)
+    index = torch.empty(rows, dtype=torch.int32)
+    n_tiles = rows // tiles.rows + E
+    per_tile = torch.empty(n_tiles, dtype=torch.int32)
+    w = torch.empty(2 * E, I, H, dtype=torch.bfloat16)
+    h = torch.empty(rows, I, dtype=torch.bfloat16)
+    args = (x, gemm_tiles.TensorDescriptor.from_tensor(gathered, [tiles.rows, tiles.depth]), index, per_tile,
+            per_tile, per_tile, n_tiles, gemm_tiles.TensorDescriptor.from_tensor(w, [2, tiles.gate_up_cols, tiles.depth]),
+            h)
+    constants = dict(H=H, I=I, BM=tiles.rows, BN=tiles.gate_up_cols, BK=tiles.depth, STAGES=tiles.stages, GATHER=True,
+                     DOT_DTYPE=gemm_tiles.tl.bfloat16, ONE_DOT=True, num_warps=tiles.warps)
+    return gemm_tiles._gate_up_grid_tma, args, constants
+
+
+def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, spill_lines: int = 0,
+                 loops: bool = False) -> dict:
     """Compile one launch for sm_90a and return ptxas' report on it (TTGIR and PTX into ``dump``;
-    with ``spill_lines``, that many source lines with the most spill instructions)."""
+    with ``spill_lines``, that many source lines with the most spill instructions; with
+    ``loops``, the SASS of each innermost wgmma loop, :func:`sass_loops`)."""
     constants = dict(constants)
     options = {"num_warps": constants.pop("num_warps")}  # as launched: no other compile option
     signature = {name: mangle_type(a) for name, a in zip(kernel.arg_names, args)}
@@ -232,7 +306,11 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, 
         if done.returncode != 0:
             raise RuntimeError(f"ptxas failed:\n{text[-2000:]}")
         code = code_bytes(os.path.join(tmp, "k.cubin"), compiled.metadata.name)
-        sites = spill_sites(ptx, tmp, spill_lines) if spill_lines else []
+        sass = line_sass(ptx, tmp) if spill_lines or loops else None
+        if (spill_lines or loops) and sass is None:
+            raise RuntimeError(f"--spills and --sass-loops need nvdisasm beside {ptxas_tool().path}")
+        sites = spill_sites(sass, spill_lines) if spill_lines else []
+        machine_loops = sass_loops(sass) if loops else []
 
     def number(pattern: str) -> int:
         m = re.search(pattern, text)
@@ -252,6 +330,7 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, 
         "wgmma_serialized": sorted({m.group(1) for w in warnings if (m := SERIALIZED.search(w))}),
         "wgmma_loops": wgmma_loops(compiled.asm["ttgir"]),
         "spill_sites": sites,
+        "sass_loops": machine_loops,
     }
 
 
@@ -339,7 +418,9 @@ def findings(report: dict, workers_per_sm: int = 1) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", choices=list(CASES), default="dsv3_rank")
-    parser.add_argument("--kernels", nargs="+", choices=["forward", "backward"], default=["forward", "backward"])
+    parser.add_argument("--kernels", nargs="+", choices=["forward", "backward", "plain_gate_up"],
+                        default=["forward", "backward"],
+                        help="plain_gate_up: gemm_tiles.py's gate/up grid, the forward's routed gate/up tile alone")
     parser.add_argument("--tiles", nargs="*", default=[], metavar="FIELD=VALUE", help="forward tile overrides")
     parser.add_argument("--backward-tiles", nargs="*", default=[], metavar="FIELD=VALUE",
                         help="backward tile overrides")
@@ -353,14 +434,19 @@ def main() -> None:
     parser.add_argument("--dump", help="write each kernel's TTGIR and PTX into this directory")
     parser.add_argument("--spills", type=int, default=0, metavar="N",
                         help="also list the N source lines with the most spill instructions")
+    parser.add_argument("--sass-loops", action="store_true",
+                        help="also list each innermost wgmma loop's machine code: instructions per "
+                             "iteration, products, copies, waits and barriers")
     args = parser.parse_args()
     tiles = {"forward": tile_overrides(args.tiles, GPU_TILES),
              "backward": tile_overrides(args.backward_tiles, GPU_BACKWARD_TILES)}
     calls = kernel_calls(args.case, tiles["forward"], tiles["backward"], args.tokens, args.ranks)
+    calls["plain_gate_up"] = plain_gate_up_call(args.case, tiles["forward"], args.tokens)
+    tiles["plain_gate_up"] = tiles["forward"]
     reports, bad = {}, []
     for name in args.kernels:
         print(f"[{args.case}] compiling the {name} kernel for sm_90a", file=sys.stderr, flush=True)
-        r = reports[name] = compile_sm90(*calls[name], dump=args.dump, spill_lines=args.spills)
+        r = reports[name] = compile_sm90(*calls[name], dump=args.dump, spill_lines=args.spills, loops=args.sass_loops)
         found = findings(r, tiles[name].workers_per_sm)
         bad += [f"{name}: {f}" for f in found]
         print(f"{name:9} {r['registers']} registers, spills {r['spill_stores']} B stored / "
@@ -371,6 +457,9 @@ def main() -> None:
             print(f"  wgmma loop {loop['source']}: {loop['dots']} {loop['dtype']} dots, "
                   f"{'one in flight' if loop['in_flight'] else 'each waited for'}, operand loads "
                   f"{loop['async_loads']} async / {loop['plain_loads']} plain, {loop['stages']} stages")
+        for loop in r["sass_loops"]:
+            print(f"  sass loop {loop['source']}: {loop['instructions']} instructions an iteration; "
+                  + ", ".join(f"{op} {loop[op]}" for op in SASS_OPS if loop[op]))
         if r["spill_sites"]:
             print("  spills at " + ", ".join(f"{site['line']} ({site['stores']} st, {site['loads']} ld)"
                                              for site in r["spill_sites"]))
