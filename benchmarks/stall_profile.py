@@ -150,6 +150,11 @@ def aggregate(lines_csv: str, top: int = 50) -> str:
 TRAFFIC_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sectors_op_read.sum",
                    "lts__t_sectors_op_write.sum", "lts__t_sectors_op_atom.sum", "lts__t_sectors_op_red.sum",
                    "lts__t_sector_op_read_hit_rate.pct")
+# Sectors L2 took from the SMs and over the fabric between its two partitions: an SM's access to
+# a line homed in the other partition crosses it, and how much of the reads beyond each buffer
+# once (stops 49 and 50) is that is not yet known. Asked for apart, so that an ncu or GPU without
+# these names still gives the ones above.
+FABRIC_METRICS = ("lts__t_sectors_srcunit_tex.sum", "lts__t_sectors_srcunit_ltcfabric.sum")
 
 
 def traffic(details: str) -> dict[str, float]:
@@ -158,7 +163,7 @@ def traffic(details: str) -> dict[str, float]:
     found = {}
     for line in details.splitlines():
         parts = line.split()
-        if len(parts) == 3 and parts[0] in TRAFFIC_METRICS:
+        if len(parts) == 3 and parts[0] in TRAFFIC_METRICS + FABRIC_METRICS:
             found[parts[0]] = _number(parts[2])
     return found
 
@@ -203,7 +208,7 @@ def profile(case: str, direction: str, out_dir: str, ncu: str, variant: str = "d
     cmd = [ncu, "--clock-control", "none", "--kernel-name", f"regex:{KERNELS[direction]}", "--launch-skip", "2",
            "--launch-count", "1", "--section", "SourceCounters", "--section", "WarpStateStats",
            "--section", "SpeedOfLight", "--section", "ComputeWorkloadAnalysis", "--section", "MemoryWorkloadAnalysis",
-           "--metrics", ",".join(TRAFFIC_METRICS), "--import-source", "yes", "-f", "-o", stem,
+           "--metrics", ",".join(TRAFFIC_METRICS + FABRIC_METRICS), "--import-source", "yes", "-f", "-o", stem,
            sys.executable, os.path.abspath(__file__), "--target", "--case", case, "--variant", variant]
     if direction == "backward":
         cmd.append("--backward")
@@ -211,12 +216,16 @@ def profile(case: str, direction: str, out_dir: str, ncu: str, variant: str = "d
         cmd.append("--no-shared")
     log(" ".join(cmd))
     t0 = time.time()
+    at = cmd.index("--metrics")
     if subprocess.run(cmd).returncode != 0:
-        # A metric this ncu or GPU does not know fails the whole run: profile without them.
-        at = cmd.index("--metrics")
-        del cmd[at:at + 2]
-        log("ncu failed with the traffic metrics; again without them")
-        subprocess.run(cmd, check=True)
+        # A metric this ncu or GPU does not know fails the whole run: without the fabric's, then
+        # without any.
+        cmd[at + 1] = ",".join(TRAFFIC_METRICS)
+        log("ncu failed with the L2 fabric metrics; again without them")
+        if subprocess.run(cmd).returncode != 0:
+            del cmd[at:at + 2]
+            log("ncu failed with the traffic metrics; again without them")
+            subprocess.run(cmd, check=True)
     log(f"profiled in {time.time() - t0:.0f} s")
     # Base units for traffic(); "--print-details all" adds each section's breakdown (which of
     # L2's units is the busy one), an option older ncu versions lack.
@@ -236,6 +245,10 @@ def profile(case: str, direction: str, out_dir: str, ncu: str, variant: str = "d
             if got is not None:
                 log(f"DRAM {kind} {got / 1e9:.2f} GB, {got / once[kind]:.2f}x the {once[kind] / 1e9:.2f} GB "
                     f"of every buffer {kind} once")
+        fabric, from_sms = (moved.get(name) for name in FABRIC_METRICS[::-1])
+        if fabric is not None and from_sms:
+            log(f"L2 fabric {32 * fabric / 1e9:.2f} GB between the partitions, against {32 * from_sms / 1e9:.2f} GB "
+                f"of the SMs' accesses ({fabric / from_sms:.0%})")
     # The source page per SASS instruction, and per source line with each line's instructions.
     for view, suffix in (("sass", "_sass.csv"), ("cuda,sass", "_lines.csv")):
         with open(stem + suffix, "w") as f:

@@ -204,9 +204,11 @@ def test_stall_profile_reads_the_traffic_metrics(monkeypatch):
     lts__t_sector_op_read_hit_rate.pct                        %            53.12
     L2 Hit Rate                                               %            53.12
     lts__t_sectors.avg.pct_of_peak_sustained_elapsed          %            92.19
+    lts__t_sectors_srcunit_ltcfabric.sum                 sector      250,000,000
 """
     assert stall.traffic(details) == {"dram__bytes_read.sum": 7123456789.0, "dram__bytes_write.sum": 612000000.0,
-                                      "lts__t_sector_op_read_hit_rate.pct": 53.12}
+                                      "lts__t_sector_op_read_hit_rate.pct": 53.12,
+                                      "lts__t_sectors_srcunit_ltcfabric.sum": 250000000.0}
 
 
 def test_stall_profile_once_traffic(monkeypatch):
