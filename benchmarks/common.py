@@ -77,7 +77,10 @@ def init(smoke: bool) -> torch.device:
 # fp32 layer is 0.43-0.46% at the Qwen3 and DeepSeek-V3 shapes, 256 tokens). A result 2% off
 # overall, or one token's row 10% off, is wrong rather than rounded: a lost or misrouted row, an
 # expert's share dropped or added twice. Rows are judged only where they are tokens' (outputs,
-# input gradients): a weight gradient's row sums many tokens, and its spread is not measured.
+# input gradients): a weight gradient's row sums many tokens, and its spread is not measured. A
+# token whose top-k the two fp32 routers break differently at a near tie would trip the row
+# limit too; on the layer scripts' seeded inputs none has (stop 49: the largest element
+# difference 0.016-0.031 at all four shapes, where such a row would differ by tenths).
 AGREEMENT = {"relative": 2e-2, "worst_row": 1e-1}
 
 
