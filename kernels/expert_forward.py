@@ -57,7 +57,11 @@ and runs whatever else is ready. A worker holds at most one waiting ticket per q
 tickets are taken in queue order, about one per worker ahead of the work. A worker that starts
 a GATE_UP or DOWN task takes its next ticket of that queue at once, so the claim's round trip
 overlaps the tile instead of preceding the next one; while that tile runs it waits on nothing,
-so the held ticket is again the only one of that queue it will wait on. A dispatch chunk taken
+so the held ticket is again the only one of that queue it will wait on. A held GATE_UP ticket
+waits behind every DOWN tile its worker finds ready, so ``GU_CLAIM_AHEAD`` off
+(``Tiles.gate_up_claim_ahead``) claims GATE_UP tickets only in the pass that reaches that
+queue: consecutive tickets, the row tiles that share a weight block, then start closer
+together in time. A dispatch chunk taken
 before the counts are in is held the same way (the workers that finished routing used to spin
 in it for the whole route phase; now they run shared-expert tiles meanwhile). SGATE_UP is
 claimed by fetch-and-add and is ready by construction.
@@ -275,7 +279,7 @@ def expert_forward_kernel(
     BM: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
     BHF: tl.constexpr, STAGES: tl.constexpr, DN_STAGES: tl.constexpr,
     TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr, HELD_CHUNK_FIRST: tl.constexpr,
-    MERGED_LOOKUP: tl.constexpr,
+    MERGED_LOOKUP: tl.constexpr, GU_CLAIM_AHEAD: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -447,7 +451,8 @@ def expert_forward_kernel(
                                         sem="acquire", scope=SCOPE)
                 if tl.sum(tl.where(w_idx < W, arrived, 0), axis=0) == n_rows_e:
                     tl.debug_barrier()
-                    nxt = take_ticket(heads + Q_GATE_UP, open_q, OPEN_GATE_UP)  # the next ticket (as in DOWN)
+                    if GU_CLAIM_AHEAD:
+                        nxt = take_ticket(heads + Q_GATE_UP, open_q, OPEN_GATE_UP)  # the next ticket (as in DOWN)
                     if not MERGED_LOOKUP:
                         n_tiles_e = _pick(tiles_el, el_idx, e)
                     local = g - first
@@ -464,7 +469,10 @@ def expert_forward_kernel(
                     if not MERGED_LOOKUP:
                         tile_start_e = _pick(tile_start_el, el_idx, e)
                     signal_add(ctl + C_GU_DONE + tile_start_e + m, 1, "gpu")
-                    g, open_q = settle_ticket(nxt, n_gu, open_q, OPEN_GATE_UP)
+                    if GU_CLAIM_AHEAD:
+                        g, open_q = settle_ticket(nxt, n_gu, open_q, OPEN_GATE_UP)
+                    else:
+                        g = -1
                     did = 4
             held_gu = g
 

@@ -156,6 +156,20 @@ class Tiles:
     # experts 5.61 / 5.63, 5.49 / 5.67, 5.53 / 5.66; Qwen3 128 3.03 / 3.03, 3.07 / 3.11, 3.08 /
     # 3.09; Qwen3 16 2.17 / 2.19, 2.14 / 2.19, 2.16 / 2.16. So only at 256 and more.
     merged_lookup_from: int = 256
+    # A worker starting a routed gate/up tile takes its next gate/up ticket at once, so the
+    # claim's round trip overlaps the tile (`d522b32`, which came with other changes; never
+    # timed alone); down tiles do the same. The row tiles that share a gate/up weight block hold
+    # consecutive tickets, but a held gate/up ticket waits behind every down tile its worker
+    # finds ready (down comes first in a pass), so those tiles start further apart, and the
+    # later ones may find the block's lines gone from L2. The backward's tiles claiming ahead
+    # were 2-3.5% slower (stop 36, SwiGLU-backward tiles 2.17 against 1.94 ms busy per worker at
+    # DeepSeek-V3 32 experts), and the forward reads 1.4-2.3x its buffers from DRAM (stops 49
+    # and 50). False claims a gate/up ticket only in the pass that reaches that queue
+    # (layer_forward.py variant gate_up_claim_on_pass), untimed. Offline sm_90 its build
+    # allocates registers differently: the routed gate/up loop takes 145 instructions a step
+    # against 123 at DeepSeek-V3 32 experts and 140 against 116 at Qwen3 128, with the same
+    # products, copies and barriers (kernel_resources.py --sass-loops).
+    gate_up_claim_ahead: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -169,7 +183,8 @@ class Tiles:
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
             GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
-            MERGED_LOOKUP=local_experts >= self.merged_lookup_from, num_warps=self.warps,
+            MERGED_LOOKUP=local_experts >= self.merged_lookup_from, GU_CLAIM_AHEAD=self.gate_up_claim_ahead,
+            num_warps=self.warps,
         )
 
 
