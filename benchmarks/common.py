@@ -89,8 +89,8 @@ def disagreement(parts: list[torch.Tensor], whole: torch.Tensor, elements: int =
     concatenated or fp32 copy of a large gradient is made: ``relative``, ``|d| / |whole|`` over
     everything; ``worst_row``, the largest such ratio of one row (the last dimension), a row of
     ``whole`` that is (nearly) zero judged against a thousandth of the mean row norm instead;
-    and ``max_abs``, the largest element of ``|d|``."""
-    diffs, refs, peaks = [], [], []
+    ``max_abs`` and ``mean_abs``, the largest and the mean element of ``|d|``."""
+    diffs, refs, peaks, sums = [], [], [], []
     at = 0
     for part in parts:
         step = max(1, elements // max(1, part[0].numel())) if part.shape[0] else 1
@@ -101,15 +101,17 @@ def disagreement(parts: list[torch.Tensor], whole: torch.Tensor, elements: int =
             diffs.append(d.reshape(-1, d.shape[-1]).norm(dim=-1))
             refs.append(want.reshape(-1, d.shape[-1]).norm(dim=-1))
             peaks.append(d.abs().max())
+            sums.append(d.abs().sum(dtype=torch.float64))
         at += part.shape[0]
     if not diffs:
-        return {"relative": 0.0, "worst_row": 0.0, "max_abs": 0.0}
+        return {"relative": 0.0, "worst_row": 0.0, "max_abs": 0.0, "mean_abs": 0.0}
     d, r = torch.cat(diffs).cpu().double(), torch.cat(refs).cpu().double()
     total = r.square().sum().sqrt().item()
     floor = 1e-3 * r.mean().item()
     return {"relative": d.square().sum().sqrt().item() / total if total else float(d.max().item() > 0),
             "worst_row": (d / r.clamp_min(floor)).max().item() if floor else float(d.max().item() > 0),
-            "max_abs": torch.stack(peaks).max().item()}
+            "max_abs": torch.stack(peaks).max().item(),
+            "mean_abs": torch.stack(sums).sum().item() / sum(part.numel() for part in parts)}
 
 
 def disagrees(errors: dict[str, float], token_rows: bool) -> bool:

@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ["TRITON_INTERPRET"] = "0"
 from kosmos_moe.kernels import expert_backward, expert_forward  # noqa: E402
 import gemm_tiles  # noqa: E402  (its plain-grid kernels, compiled too)
-from layer_forward import case_config  # noqa: E402
+from layer_forward import CASES as LAYER_CASES, ONE_RANK_CASES, case_config  # noqa: E402
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -72,13 +72,7 @@ from kosmos_moe import ExpertLayer  # noqa: E402
 from kosmos_moe.fabric import EmulatedWorld  # noqa: E402
 from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES  # noqa: E402
 
-# name: (preset, experts in the layer); the cases of layer_forward.py at one rank.
-CASES = {
-    "dsv3_rank": ("deepseek_v3", 32),
-    "dsv3_full": ("deepseek_v3", 256),
-    "qwen3_rank": ("qwen3_235b", 16),
-    "qwen3_full": ("qwen3_235b", 128),
-}
+CASES = ONE_RANK_CASES  # layer_forward.py's cases of one rank
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KB)
 SM90_SHARED_PER_SM = 233472  # 228 KB per SM, of which the driver reserves 1 KB per block
 SM90_REGISTERS_PER_SM = 65536
@@ -110,7 +104,7 @@ def kernel_calls(case: str, tiles, backward_tiles, tokens: int, ranks: int = 1) 
     """The forward and backward launches of rank 0 of ``case`` in a world of ``ranks``, as
     (kernel, args, constants). With several ranks the backward is the one that keeps only
     some rows' gate/up projections and redoes the others'."""
-    preset, experts = CASES[case]
+    preset, experts, _ = LAYER_CASES[case]
     world = EmulatedWorld(1, "cpu")
     if ranks > 1:
         # Nothing runs, so rank 0 of a CPU world of several ranks is enough to build its
@@ -174,14 +168,14 @@ def code_bytes(cubin: str, kernel_name: str) -> int:
 _SASS_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
-def line_sass(ptx_path: str, tmp: str) -> str | None:
+def line_sass(ptx_path: str, tmp: str) -> str:
     """The kernel's SASS with each instruction's innermost source line (``//## File`` lines):
     ptxas compiles the PTX again with line information (the code is the same) and nvdisasm
-    disassembles it, inlined helpers included. None without an nvdisasm beside ptxas."""
+    disassembles it, inlined helpers included."""
     tool = ptxas_tool().path
     nvdisasm = os.path.join(os.path.dirname(tool), "nvdisasm")
     if not os.path.exists(nvdisasm):
-        return None
+        raise RuntimeError(f"--spills and --sass-loops need nvdisasm beside {tool}")
     cubin = os.path.join(tmp, "lines.cubin")
     subprocess.run([tool, "-arch=sm_90a", "-lineinfo", ptx_path, "-o", cubin], check=True, capture_output=True)
     return subprocess.run([nvdisasm, "-g", "-c", cubin], check=True, capture_output=True, text=True).stdout
@@ -306,9 +300,7 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, 
         if done.returncode != 0:
             raise RuntimeError(f"ptxas failed:\n{text[-2000:]}")
         code = code_bytes(os.path.join(tmp, "k.cubin"), compiled.metadata.name)
-        sass = line_sass(ptx, tmp) if spill_lines or loops else None
-        if (spill_lines or loops) and sass is None:
-            raise RuntimeError(f"--spills and --sass-loops need nvdisasm beside {ptxas_tool().path}")
+        sass = line_sass(ptx, tmp) if spill_lines or loops else ""
         sites = spill_sites(sass, spill_lines) if spill_lines else []
         machine_loops = sass_loops(sass) if loops else []
 
@@ -417,7 +409,7 @@ def findings(report: dict, workers_per_sm: int = 1) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", choices=list(CASES), default="dsv3_rank")
+    parser.add_argument("--case", choices=CASES, default="dsv3_rank")
     parser.add_argument("--kernels", nargs="+", choices=["forward", "backward", "plain_gate_up"],
                         default=["forward", "backward"],
                         help="plain_gate_up: gemm_tiles.py's gate/up grid, the forward's routed gate/up tile alone")

@@ -261,6 +261,7 @@ def test_disagreement_flags_wrong_results_not_rounding(monkeypatch):
     rounded = common.disagreement(parts, ref, elements=4096)
     assert rounded["relative"] < 1e-2 and rounded["worst_row"] < 2e-2
     assert rounded["max_abs"] == (fused.float() - ref.float()).abs().max().item()
+    assert abs(rounded["mean_abs"] - (fused.float() - ref.float()).abs().mean().item()) < 1e-9
     assert not common.disagrees(rounded, token_rows=True)
 
     lost = fused.clone()
@@ -275,7 +276,7 @@ def test_disagreement_flags_wrong_results_not_rounding(monkeypatch):
     grad = torch.randn(4, 64, 32)
     grad[2] = 0
     same = common.disagreement([grad[:1], grad[1:]], grad, elements=100)
-    assert same == {"relative": 0.0, "worst_row": 0.0, "max_abs": 0.0}
+    assert same == {"relative": 0.0, "worst_row": 0.0, "max_abs": 0.0, "mean_abs": 0.0}
     stray = grad.clone()
     stray[2, 5, 7] = 1.0
     assert common.disagreement([stray], grad)["worst_row"] > 1
