@@ -44,11 +44,13 @@
 #                    (strip8, strip4: fewer row blocks reread at once, benchmarks/
 #                    wgrad_l2_model.py), then unprofiled in the other order
 #   variants-strips-full  the same at 256 and 128 experts, both orders unprofiled
-#   variants-claim   layer_forward.py on the four EP=1 cases, the default against gate/up tickets
-#                    claimed in the pass that reaches their queue instead of a tile ahead
-#                    (gate_up_claim_on_pass, Tiles.gate_up_claim_ahead), in both orders
-#   stalls-claim     stall_profile.py on the forward at Qwen3 128 and DeepSeek-V3 32 experts with
-#                    gate_up_claim_on_pass, then Qwen3 128's default: DRAM bytes read and the L2
+#   variants-claim   layer_forward.py on the four EP=1 cases, the default (gate/up tickets claimed
+#                    in the pass that reaches their queue, since stop 51) against claimed a tile
+#                    ahead (gate_up_claim_ahead, Tiles.gate_up_claim_ahead), in both orders
+#   variants-stages  layer_forward.py on the four EP=1 cases, the default (3 gate/up stages) against
+#                    4 (stages4; the gate/up loop waits on its copies), in both orders
+#   stalls-claim     stall_profile.py on the forward at Qwen3 128 and DeepSeek-V3 32 experts, the
+#                    default, then Qwen3 128 with gate_up_claim_ahead: DRAM bytes read and the L2
 #                    fabric's share
 #   stalls-strips    stall_profile.py on the backward at DeepSeek-V3 32 experts, strip4 then
 #                    the default: DRAM bytes read against every buffer read once
@@ -115,14 +117,17 @@ run_stage() {
                               python benchmarks/layer_backward.py --cases qwen3_full dsv3_full \
                                   --out "$out/variants_strips_full_reversed.json" --variants strip4 strip8 default ;;
         variants-claim) python benchmarks/layer_forward.py --cases qwen3_full dsv3_full dsv3_rank qwen3_rank \
-                            --out "$out/variants_claim.json" --variants default gate_up_claim_on_pass && \
+                            --out "$out/variants_claim.json" --variants default gate_up_claim_ahead && \
                         python benchmarks/layer_forward.py --cases qwen3_full dsv3_full dsv3_rank qwen3_rank \
-                            --out "$out/variants_claim_reversed.json" --variants gate_up_claim_on_pass default ;;
-        stalls-claim) python benchmarks/stall_profile.py --case qwen3_full --variant gate_up_claim_on_pass \
-                          --out "$out/stalls" && \
-                      python benchmarks/stall_profile.py --case dsv3_rank --variant gate_up_claim_on_pass \
-                          --out "$out/stalls" && \
-                      python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls"; \
+                            --out "$out/variants_claim_reversed.json" --variants gate_up_claim_ahead default ;;
+        variants-stages) python benchmarks/layer_forward.py --cases qwen3_full dsv3_rank dsv3_full qwen3_rank \
+                             --out "$out/variants_stages.json" --variants default stages4 && \
+                         python benchmarks/layer_forward.py --cases qwen3_full dsv3_rank dsv3_full qwen3_rank \
+                             --out "$out/variants_stages_reversed.json" --variants stages4 default ;;
+        stalls-claim) python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \
+                      python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
+                      python benchmarks/stall_profile.py --case qwen3_full --variant gate_up_claim_ahead \
+                          --out "$out/stalls"; \
                       pack_profiles $? stalls_claim ;;
         stalls-strips) python benchmarks/stall_profile.py --case dsv3_rank --backward --variant strip4 \
                            --out "$out/stalls" && \

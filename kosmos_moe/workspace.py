@@ -156,20 +156,21 @@ class Tiles:
     # experts 5.61 / 5.63, 5.49 / 5.67, 5.53 / 5.66; Qwen3 128 3.03 / 3.03, 3.07 / 3.11, 3.08 /
     # 3.09; Qwen3 16 2.17 / 2.19, 2.14 / 2.19, 2.16 / 2.16. So only at 256 and more.
     merged_lookup_from: int = 256
-    # A worker starting a routed gate/up tile takes its next gate/up ticket at once, so the
-    # claim's round trip overlaps the tile (`d522b32`, which came with other changes; never
-    # timed alone); down tiles do the same. The row tiles that share a gate/up weight block hold
-    # consecutive tickets, but a held gate/up ticket waits behind every down tile its worker
-    # finds ready (down comes first in a pass), so those tiles start further apart, and the
-    # later ones may find the block's lines gone from L2. The backward's tiles claiming ahead
-    # were 2-3.5% slower (stop 36, SwiGLU-backward tiles 2.17 against 1.94 ms busy per worker at
-    # DeepSeek-V3 32 experts), and the forward reads 1.4-2.3x its buffers from DRAM (stops 49
-    # and 50). False claims a gate/up ticket only in the pass that reaches that queue
-    # (layer_forward.py variant gate_up_claim_on_pass), untimed. Offline sm_90 its build
-    # allocates registers differently: the routed gate/up loop takes 145 instructions a step
-    # against 123 at DeepSeek-V3 32 experts and 140 against 116 at Qwen3 128, with the same
-    # products, copies and barriers (kernel_resources.py --sass-loops).
-    gate_up_claim_ahead: bool = True
+    # True: a worker starting a routed gate/up tile takes its next gate/up ticket at once, so
+    # the claim's round trip overlaps the tile (the default from `d522b32` to stop 51; down
+    # tiles still do so). The row tiles that share a gate/up weight block hold consecutive
+    # tickets, but a held gate/up ticket waits behind every down tile its worker finds ready
+    # (down comes first in a pass), so those tiles start further apart and the later ones find
+    # the block gone from L2. False (the default since stop 51) claims a gate/up ticket only in
+    # the pass that reaches that queue. H100 80GB, stop 51, forward device ms ahead / on pass
+    # (layer_forward.py, gpu_session.sh variants-claim, two orders in one process each):
+    # DeepSeek-V3 32 experts 5.66 / 5.23 and 5.64 / 5.23, 256 experts 10.28 / 9.77 and 10.28 /
+    # 9.79, Qwen3 16 2.16 / 2.06 and 2.18 / 2.05, Qwen3 128 3.06 / 2.89 and 3.09 / 2.88. DRAM
+    # read under Nsight Compute (stalls-claim): Qwen3 128 7.24 / 5.84 GB (5.24 for each buffer
+    # once), DeepSeek-V3 32 5.90 GB on pass against 7.90-8.19 ahead (stops 49-50; 3.65 once).
+    # Offline sm_90 the on-pass build's gate/up loop is 145 instructions a step against 123 at
+    # DeepSeek-V3 32 experts (register allocation; same products, copies and barriers).
+    gate_up_claim_ahead: bool = False
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)

@@ -96,10 +96,10 @@ def test_merged_expert_lookup(case, world):
     run_and_check(case, world, tiles=replace(GPU_TILES, merged_lookup_from=1))
 
 
-def test_gate_up_tickets_claimed_on_pass():
-    # Tiles.gate_up_claim_ahead off: a worker claims its next gate/up ticket only in the pass
-    # that reaches that queue, not as its previous gate/up tile starts.
-    run_and_check("sigmoid_group_shared", 2, tiles=replace(GPU_TILES, gate_up_claim_ahead=False))
+def test_gate_up_tickets_claimed_ahead():
+    # Tiles.gate_up_claim_ahead on: a worker claims its next gate/up ticket as its previous
+    # gate/up tile starts, not in the pass that reaches that queue (the default).
+    run_and_check("sigmoid_group_shared", 2, tiles=replace(GPU_TILES, gate_up_claim_ahead=True))
 
 
 def test_weight_l2_promotion():
