@@ -75,6 +75,9 @@ TILE_VARIANTS = {
     # Routed gate/up tiles claim their next ticket as the previous one starts (the default until
     # stop 51, Tiles.gate_up_claim_ahead): tiles that share a weight block start further apart.
     "gate_up_claim_ahead": dataclasses.replace(GPU_TILES, gate_up_claim_ahead=True),
+    # Down tiles claim their next ticket in a pass, not as the previous one starts
+    # (Tiles.down_claim_ahead).
+    "down_claim_on_pass": dataclasses.replace(GPU_TILES, down_claim_ahead=False),
     "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),
     "no_row_hint": dataclasses.replace(GPU_TILES, row_alignment_hint=False),
     # The route tiles before d522b32 (64 tokens, 32 experts a step). H100 80GB, stop 36, one run:

@@ -171,6 +171,12 @@ class Tiles:
     # Offline sm_90 the on-pass build's gate/up loop is 145 instructions a step against 123 at
     # DeepSeek-V3 32 experts (register allocation; same products, copies and barriers).
     gate_up_claim_ahead: bool = False
+    # The same for down tiles (True, the default): a held down ticket waits only behind fold
+    # blocks, but one not yet ready waits for its holder's next tile to end, which may be a
+    # gate/up tile of 50-140 us, so the row tiles sharing a down weight block may start that
+    # far apart. False claims a down ticket only in a pass (layer_forward.py variant
+    # down_claim_on_pass).
+    down_claim_ahead: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -185,6 +191,7 @@ class Tiles:
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
             GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
             MERGED_LOOKUP=local_experts >= self.merged_lookup_from, GU_CLAIM_AHEAD=self.gate_up_claim_ahead,
+            DN_CLAIM_AHEAD=self.down_claim_ahead,
             num_warps=self.warps,
         )
 
