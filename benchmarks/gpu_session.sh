@@ -47,11 +47,9 @@
 #   variants-claim   layer_forward.py on the four EP=1 cases, the default (gate/up tickets claimed
 #                    in the pass that reaches their queue, since stop 51) against claimed a tile
 #                    ahead (gate_up_claim_ahead, Tiles.gate_up_claim_ahead), in both orders
-#   variants-stages  layer_forward.py on the four EP=1 cases, the default (3 gate/up stages) against
-#                    4 (stages4; the gate/up loop waits on its copies), in both orders
-#   variants-down-claim  the GPU test of tickets claimed the other way, then layer_forward.py on the
-#                    four EP=1 cases, the default against down tickets claimed in the pass that
-#                    reaches their queue (down_claim_on_pass, Tiles.down_claim_ahead), both orders
+#   variants-stages  layer_forward.py on the four EP=1 cases, the default (4 gate/up stages from 128
+#                    local experts, 3 below) against 3 and 4 everywhere (stages3, stages4), in
+#                    both orders
 #   stalls-claim     stall_profile.py on the forward at Qwen3 128 and DeepSeek-V3 32 experts, the
 #                    default, then Qwen3 128 with gate_up_claim_ahead: DRAM bytes read and the L2
 #                    fabric's share
@@ -124,14 +122,9 @@ run_stage() {
                         python benchmarks/layer_forward.py --cases qwen3_full dsv3_full dsv3_rank qwen3_rank \
                             --out "$out/variants_claim_reversed.json" --variants gate_up_claim_ahead default ;;
         variants-stages) python benchmarks/layer_forward.py --cases qwen3_full dsv3_rank dsv3_full qwen3_rank \
-                             --out "$out/variants_stages.json" --variants default stages4 && \
+                             --out "$out/variants_stages.json" --variants default stages3 stages4 && \
                          python benchmarks/layer_forward.py --cases qwen3_full dsv3_rank dsv3_full qwen3_rank \
-                             --out "$out/variants_stages_reversed.json" --variants stages4 default ;;
-        variants-down-claim) python -m pytest -q tests/test_fused_gpu.py -k claimed_the_other_way && \
-                             python benchmarks/layer_forward.py --cases qwen3_full dsv3_rank dsv3_full qwen3_rank \
-                                 --out "$out/variants_down_claim.json" --variants default down_claim_on_pass && \
-                             python benchmarks/layer_forward.py --cases qwen3_full dsv3_rank dsv3_full qwen3_rank \
-                                 --out "$out/variants_down_claim_reversed.json" --variants down_claim_on_pass default ;;
+                             --out "$out/variants_stages_reversed.json" --variants stages4 stages3 default ;;
         stalls-claim) python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \
                       python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                       python benchmarks/stall_profile.py --case qwen3_full --variant gate_up_claim_ahead \

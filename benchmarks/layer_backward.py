@@ -58,9 +58,6 @@ VARIANTS = {
     "shared_recompute": {"save_shared": False},
     "saved_cols64": _backward_tiles(swiglu_cols=64),
     "pointer_weights": {"tiles": dataclasses.replace(GPU_TILES, tma=False)},
-    # The forward's down tickets claimed in a pass (Tiles.down_claim_ahead; layer_forward.py's
-    # variant of the same name).
-    "down_claim_on_pass": {"tiles": dataclasses.replace(GPU_TILES, down_claim_ahead=False)},
     # Eight and four column blocks per weight-gradient task: at DeepSeek-V3 32 experts 7 tasks
     # share each dW[g;u] row block at 4 and 2 each dWd row block (2 and 1 at 16 blocks), so
     # fewer of the row blocks that every task rereads for each of its blocks are in use at once.

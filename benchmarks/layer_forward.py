@@ -64,6 +64,9 @@ TILE_VARIANTS = {
     # memory offline): more weight bytes in flight per worker where the weights' bandwidth
     # bounds the layer (256 experts). Tiles.stages has the figures.
     "stages4": dataclasses.replace(GPU_TILES, stages=4),
+    # Three gate/up stages at every expert count (the default until stop 51, which pipelines 4
+    # from 128 local experts, Tiles.many_experts_stages).
+    "stages3": dataclasses.replace(GPU_TILES, many_experts_stages=3),
     # A held dispatch chunk run at the holder's next idle pass, as before stop 46
     # (Tiles.held_chunk_first), at the default's 3 gate/up stages and at 4.
     "held_chunk_later": dataclasses.replace(GPU_TILES, held_chunk_first=False),
@@ -75,9 +78,6 @@ TILE_VARIANTS = {
     # Routed gate/up tiles claim their next ticket as the previous one starts (the default until
     # stop 51, Tiles.gate_up_claim_ahead): tiles that share a weight block start further apart.
     "gate_up_claim_ahead": dataclasses.replace(GPU_TILES, gate_up_claim_ahead=True),
-    # Down tiles claim their next ticket in a pass, not as the previous one starts
-    # (Tiles.down_claim_ahead).
-    "down_claim_on_pass": dataclasses.replace(GPU_TILES, down_claim_ahead=False),
     "rows64": dataclasses.replace(GPU_TILES, rows=64, gate_up_cols=128, down_cols=256),
     "no_row_hint": dataclasses.replace(GPU_TILES, row_alignment_hint=False),
     # The route tiles before d522b32 (64 tokens, 32 experts a step). H100 80GB, stop 36, one run:

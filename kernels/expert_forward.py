@@ -55,16 +55,17 @@ the next task of the queue by fetch-and-add whether or not it is ready, keeps it
 in the first pass that finds it ready; in the passes between it goes on down the queue list and
 runs whatever else is ready. A worker holds at most one waiting ticket per queue, so tickets
 are taken in queue order, about one per worker ahead of the work. A worker that starts a DOWN
-task takes its next ticket of that queue at once (``DN_CLAIM_AHEAD``, ``Tiles.down_claim_ahead``),
-so the claim's round trip overlaps the tile instead of preceding the next one; while that tile
-runs it waits on nothing, so the held ticket is again the only one of that queue it will wait
-on. GATE_UP tickets are claimed only in the pass that reaches that queue: a GATE_UP ticket
-taken ahead would wait behind every DOWN tile its worker finds ready, and consecutive tickets,
-the row tiles that share a weight block, would start far apart in time and read the block from
-DRAM again (``GU_CLAIM_AHEAD``, ``Tiles.gate_up_claim_ahead``, claims ahead as DOWN does; 4-9%
-slower on an H100). A dispatch chunk taken before the counts are in is held the same way (the
-workers that finished routing used to spin in it for the whole route phase; now they run
-shared-expert tiles meanwhile). SGATE_UP is claimed by fetch-and-add and is ready by construction.
+task takes its next ticket of that queue at once (claiming it in a pass instead timed the same
+on an H200, stop 51), so the claim's round trip overlaps the tile instead of preceding the next
+one; while that tile runs it waits on nothing, so the held ticket is again the only one of that
+queue it will wait on. GATE_UP tickets are claimed only in the pass that reaches that queue: a
+GATE_UP ticket taken ahead would wait behind every DOWN tile its worker finds ready, and
+consecutive tickets, the row tiles that share a weight block, would start far apart in time and
+read the block from DRAM again (``GU_CLAIM_AHEAD``, ``Tiles.gate_up_claim_ahead``, claims ahead
+as DOWN does; 4-9% slower on an H100). A dispatch chunk taken before the counts are in is held
+the same way (the workers that finished routing used to spin in it for the whole route phase;
+now they run shared-expert tiles meanwhile). SGATE_UP is claimed by fetch-and-add and is ready
+by construction.
 Claims by compare-and-swap on a shared head collide: every worker that read the same head
 value retries. With such claims, passes that ran nothing took 6.4 of the 14.6 ms of the
 DeepSeek-V3 one-rank forward on the H200 (132 workers; benchmarks/layer_forward.py's
@@ -279,7 +280,7 @@ def expert_forward_kernel(
     BM: tl.constexpr, BN_GU: tl.constexpr, BN_DN: tl.constexpr, BK: tl.constexpr, BTF: tl.constexpr,
     BHF: tl.constexpr, STAGES: tl.constexpr, DN_STAGES: tl.constexpr,
     TMA: tl.constexpr, ROWS_ALIGNED: tl.constexpr, GU_ONE_DOT: tl.constexpr, HELD_CHUNK_FIRST: tl.constexpr,
-    MERGED_LOOKUP: tl.constexpr, GU_CLAIM_AHEAD: tl.constexpr, DN_CLAIM_AHEAD: tl.constexpr,
+    MERGED_LOOKUP: tl.constexpr, GU_CLAIM_AHEAD: tl.constexpr,
     # Padded sizes for index vectors.
     E_PAD: tl.constexpr, EL_PAD: tl.constexpr, W_PAD: tl.constexpr, K_PAD: tl.constexpr,
     G_PAD: tl.constexpr, O_PAD: tl.constexpr,
@@ -393,8 +394,7 @@ def expert_forward_kernel(
                     tl.debug_barrier()
                     # The next ticket, taken now: its round trip overlaps this tile (see
                     # "Claiming" above for why holding it while running this one is safe).
-                    if DN_CLAIM_AHEAD:
-                        nxt = take_ticket(heads + Q_DOWN, open_q, OPEN_DOWN)
+                    nxt = take_ticket(heads + Q_DOWN, open_q, OPEN_DOWN)
                     if not MERGED_LOOKUP:
                         row_start_e = _pick(row_start_el, el_idx, e)
                     row0 = row_start_e + m * BM
@@ -402,10 +402,7 @@ def expert_forward_kernel(
                     routed_down_rows(h_r, row0, n_rows, e, hb, w_down_ptr, w_down_desc, recv_w, ctl, peers_ptr, me,
                                      H, I, TOP_K, SLOTS, T_MAX, W, C_RECV_SRC, C_RECV_ENT, C_COMB_ARR, B_COMB,
                                      BM, BN_DN, BK, DOT_DTYPE, DN_STAGES, TMA, SCOPE, PROFILE, profile_ptr)
-                    if DN_CLAIM_AHEAD:
-                        q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
-                    else:
-                        q = -1
+                    q, open_q = settle_ticket(nxt, n_dn, open_q, OPEN_DOWN)
                     did = 5
             held_dn = q
 

@@ -84,13 +84,25 @@ class Tiles:
     depth: int = 64              # BK
     fold_tokens: int = 16        # BTF
     fold_cols: int = 512         # BHF
-    # Pipeline stages of the gate/up tiles (routed and shared). 4 (variant stages4) gained only
-    # at Qwen3 128 experts and lost most at DeepSeek-V3 256: H100 80GB, stop 40,
-    # gpu_session.sh variants-weights, one run, forward device ms 3 / 4 stages: DeepSeek-V3 32
-    # experts 5.63 / 5.65, Qwen3 16 2.15 / 2.18, DeepSeek-V3 256 10.77 / 11.31, Qwen3 128
-    # 3.21 / 3.10 (the same split at stop 30; stop 41, with 3 down stages: 11.02 / 11.15 and
-    # 3.19 / 3.06), all with the down tiles at 3 stages, their default then.
+    # Pipeline stages of the gate/up tiles (routed and shared) below ``many_experts_from``
+    # local experts. 4 (variant stages4) gained only at Qwen3 128 experts and lost most at
+    # DeepSeek-V3 256: H100 80GB, stop 40, gpu_session.sh variants-weights, one run, forward
+    # device ms 3 / 4 stages: DeepSeek-V3 32 experts 5.63 / 5.65, Qwen3 16 2.15 / 2.18,
+    # DeepSeek-V3 256 10.77 / 11.31, Qwen3 128 3.21 / 3.10 (the same split at stop 30; stop
+    # 41, with 3 down stages: 11.02 / 11.15 and 3.19 / 3.06), all with the down tiles at 3
+    # stages, their default then, and gate/up tickets claimed ahead.
     stages: int = 3
+    # The same from ``many_experts_from`` local experts on, where an expert has few rows and its
+    # weight blocks stream from HBM (at 4096 tokens and top-8, 256 rows an expert or fewer):
+    # more weight bytes in flight per worker. H200, stop 51, gate/up tickets claimed on pass,
+    # forward device ms 3 / 4 stages (layer_forward.py variant stages4, both orders in one
+    # process each): DeepSeek-V3 256 experts 7.91 / 7.68 and 7.90 / 7.69, Qwen3 128 2.61 /
+    # 2.54 and 2.61 / 2.53; the rank views within 0.5% either way (DeepSeek-V3 32 5.07 / 5.07
+    # and 5.06 / 5.07, Qwen3 16 2.00 / 2.00 and 2.00 / 2.01). On the H100 4 stages lost 3-5% at
+    # DeepSeek-V3 256 experts with tickets claimed ahead (above; stop 46 10.11 / 10.45); with
+    # tickets claimed on pass it is untimed there (variant stages3 runs 3 everywhere).
+    many_experts_stages: int = 4
+    many_experts_from: int = 128
     # Pipeline stages of the down tiles (routed and shared; 48 KB each at 128 x 256 x 64, so 4
     # take 192 KB). Their reduction is only I deep (32 steps at DeepSeek-V3), so a deeper
     # pipeline hides more of each tile's start. On their own (benchmarks/gemm_tiles.py, H200,
@@ -171,12 +183,6 @@ class Tiles:
     # Offline sm_90 the on-pass build's gate/up loop is 145 instructions a step against 123 at
     # DeepSeek-V3 32 experts (register allocation; same products, copies and barriers).
     gate_up_claim_ahead: bool = False
-    # The same for down tiles (True, the default): a held down ticket waits only behind fold
-    # blocks, but one not yet ready waits for its holder's next tile to end, which may be a
-    # gate/up tile of 50-140 us, so the row tiles sharing a down weight block may start that
-    # far apart. False claims a down ticket only in a pass (layer_forward.py variant
-    # down_claim_on_pass).
-    down_claim_ahead: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -188,10 +194,10 @@ class Tiles:
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, R_STAGES=self.route_stages, BR=self.dispatch_rows,
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
-            BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DN_STAGES=self.down_stages,
+            BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.many_experts_stages if local_experts >= self.many_experts_from else self.stages,
+            DN_STAGES=self.down_stages,
             GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
             MERGED_LOOKUP=local_experts >= self.merged_lookup_from, GU_CLAIM_AHEAD=self.gate_up_claim_ahead,
-            DN_CLAIM_AHEAD=self.down_claim_ahead,
             num_warps=self.warps,
         )
 

@@ -60,10 +60,8 @@ CASES = {
         shape=dict(hidden_size=40, moe_intermediate_size=12, num_experts=8, top_k=2, num_shared_experts=2),
         counts=[18, 33, 7, 1], workers=3,
         # Gate and up blocks as two dots; each tile's expert entries in one reduction; gate/up
-        # tickets claimed a tile ahead and down tickets in the pass that reaches them (both the
-        # other way round by default).
-        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=False, merged_lookup_from=1, gate_up_claim_ahead=True,
-                      down_claim_ahead=False),
+        # tickets claimed a tile ahead, as down tickets are, not in the pass that reaches them.
+        tiles=replace(INTERPRETER_TILES, gate_up_one_dot=False, merged_lookup_from=1, gate_up_claim_ahead=True),
     ),
     "sigmoid_group_shared": dict(
         shape=dict(hidden_size=28, moe_intermediate_size=12, num_experts=16, top_k=4, router="sigmoid_group",

@@ -96,12 +96,16 @@ def test_merged_expert_lookup(case, world):
     run_and_check(case, world, tiles=replace(GPU_TILES, merged_lookup_from=1))
 
 
-@pytest.mark.parametrize("claim", [dict(gate_up_claim_ahead=True), dict(down_claim_ahead=False)],
-                         ids=["gate_up_ahead", "down_on_pass"])
-def test_tickets_claimed_the_other_way(claim):
-    # Gate/up tickets claimed as the worker's previous gate/up tile starts, or down tickets in
-    # the pass that reaches their queue: each the other way round from the default.
-    run_and_check("sigmoid_group_shared", 2, tiles=replace(GPU_TILES, **claim))
+def test_gate_up_tickets_claimed_ahead():
+    # Tiles.gate_up_claim_ahead on: a worker claims its next gate/up ticket as its previous
+    # gate/up tile starts, not in the pass that reaches that queue (the default).
+    run_and_check("sigmoid_group_shared", 2, tiles=replace(GPU_TILES, gate_up_claim_ahead=True))
+
+
+def test_many_expert_stages():
+    # The gate/up tiles' deeper pipeline from many local experts (Tiles.many_experts_from, 128;
+    # no other GPU test shape has that many), forced from one.
+    run_and_check("sigmoid_group_shared", 2, tiles=replace(GPU_TILES, many_experts_from=1))
 
 
 def test_weight_l2_promotion():

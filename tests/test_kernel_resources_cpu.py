@@ -96,6 +96,16 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
     assert plain["instructions"] <= fused["instructions"] <= 1.2 * plain["instructions"], (fused, plain)
 
 
+def test_many_expert_forward_pipelines_gate_up_deeper(tmp_path):
+    # From 128 local experts (Qwen3 at EP=1) the gate/up tiles run 4 stages instead of 3
+    # (Tiles.many_experts_stages) beside the down tiles' 4, still one dot in flight and within
+    # shared memory (--check).
+    done, report = run_tool(tmp_path, "--case", "qwen3_full", "--kernels", "forward")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    gemm_loops = [loop for loop in report["kernels"]["forward"]["wgmma_loops"] if loop["dtype"] == "bf16"]
+    assert len(gemm_loops) >= 3 and {loop["stages"] for loop in gemm_loops} == {4}, gemm_loops
+
+
 def test_register_starved_tiles_are_reported(tmp_path):
     # The default 256-column dx and SwiGLU-backward tiles beside weight-gradient strips reduced
     # in one flat loop (the default loop per block leaves room for them).
