@@ -69,6 +69,9 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
         assert len(sass) >= loops and all(loop["HGMMA"] >= 4 for loop in sass), sass
         if name == "forward":
             assert all(loop["LDL"] + loop["STL"] == 0 for loop in sass), sass
+            # Below 128 local experts the gate/up tiles (routed and shared) run 3 stages and the
+            # down tiles 4 (Tiles.stages, Tiles.down_stages).
+            assert sorted(loop["stages"] for loop in gemm_loops) == [3, 3, 4, 4], gemm_loops
 
     # The forward's routed gate/up loop compiles to the code of the same tile alone in a plain
     # grid (gemm_tiles.py, 729 TFLOP/s at stop 44 against about 630 in the fused kernel): the
