@@ -191,11 +191,11 @@ class Tiles:
         """The forward kernel's tile constants for a rank of ``local_experts`` experts
         (``num_warps`` included; ``TMA`` and the row alignment hint depend on the call and are
         the launcher's)."""
+        gate_up_stages = self.many_experts_stages if local_experts >= self.many_experts_from else self.stages
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, R_STAGES=self.route_stages, BR=self.dispatch_rows,
             BH=self.dispatch_cols, BM=self.rows, BN_GU=self.gate_up_cols, BN_DN=self.down_cols, BK=self.depth,
-            BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.many_experts_stages if local_experts >= self.many_experts_from else self.stages,
-            DN_STAGES=self.down_stages,
+            BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=gate_up_stages, DN_STAGES=self.down_stages,
             GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
             MERGED_LOOKUP=local_experts >= self.merged_lookup_from, GU_CLAIM_AHEAD=self.gate_up_claim_ahead,
             num_warps=self.warps,
