@@ -246,7 +246,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False,
+    WG_EVICT_FIRST: tl.constexpr = False, WG_FLAT_ROWS: tl.constexpr = 0,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -611,14 +611,29 @@ def expert_backward_kernel(
                         # dW[g;u][j, h] = sum_rows [dg du][row, j] x[row, h] (kind 1) and
                         # dWd[h, i] = sum_rows g[row, h] (w h)[row, i] (kind 2), in one loop.
                         gu = kind == 1
-                        row_reduction_strip(tl.where(gu, dgu + r0 * (2 * I), recv_g + r0 * H),
-                                            tl.where(gu, recv_x + r0 * H, hw + r0 * I),
-                                            tl.where(gu, d_gate_up_ptr + e.to(tl.int64) * 2 * I * H,
-                                                     d_down_ptr + e.to(tl.int64) * H * I),
-                                            n_rows_e, mb * BWM, sb * WS, tl.where(gu, 2 * I, H), tl.where(gu, H, I),
-                                            WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, (H % 16 == 0) & (I % 16 == 0),
-                                            WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS, PROFILE,
-                                            profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST)
+                        a_rows = tl.where(gu, dgu + r0 * (2 * I), recv_g + r0 * H)
+                        b_rows = tl.where(gu, recv_x + r0 * H, hw + r0 * I)
+                        grad = tl.where(gu, d_gate_up_ptr + e.to(tl.int64) * 2 * I * H, d_down_ptr + e.to(tl.int64) * H * I)
+                        m_dim = tl.where(gu, 2 * I, H)
+                        n_dim = tl.where(gu, H, I)
+                        aligned = (H % 16 == 0) & (I % 16 == 0)
+                        # An expert of at most WG_FLAT_ROWS rows (BackwardTiles.wgrad_flat_upto): its
+                        # blocks are a few row steps each, so the strip runs as one flat loop of
+                        # half-width blocks, the next block's loads in flight during this one's
+                        # store (a flat loop of full-width blocks leaves ptxas too few registers).
+                        # Its blocks' epilogues are not in the profile's weight_grad_epilogue.
+                        flat = False
+                        if WG_FLAT_ROWS > 0:
+                            flat = n_rows_e <= WG_FLAT_ROWS
+                        if flat:
+                            row_reduction_strip(a_rows, b_rows, grad, n_rows_e, mb * BWM, sb * WS * 2, m_dim, n_dim,
+                                                2 * WS, BWM, BWN // 2, BKW, DOT_DTYPE, WG_STAGES, aligned,
+                                                WG_TMA, False, False, False, None, WG_EVICT_FIRST)
+                        else:
+                            row_reduction_strip(a_rows, b_rows, grad, n_rows_e, mb * BWM, sb * WS, m_dim, n_dim,
+                                                WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, aligned,
+                                                WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS, PROFILE,
+                                                profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST)
                         did = 8
                         q = -1
                         kind = 0

@@ -37,7 +37,8 @@ def check_tile_sizes(tiles) -> None:
     lengths and workers per SM (fields ending in ``stages``, ``strip`` or ``per_sm``) must be
     positive, every other size (block shapes, which index ``tl.arange``, and warps) a power of
     two; Triton would otherwise fail deep inside the compile of the whole kernel. L2 promotions
-    (fields ending in ``promotion``) must be one the driver encodes."""
+    (fields ending in ``promotion``) must be one the driver encodes; thresholds (fields ending in
+    ``_from`` or ``_upto``) must not be negative."""
     from .tma_promotion import PROMOTIONS
 
     bad = []
@@ -48,6 +49,10 @@ def check_tile_sizes(tiles) -> None:
         if f.name.endswith("promotion"):
             if v not in PROMOTIONS:
                 bad.append(f"{f.name}={v} (L2 promotion bytes: one of {sorted(PROMOTIONS)})")
+            continue
+        if f.name.endswith(("_from", "_upto")):
+            if v < 0:
+                bad.append(f"{f.name}={v} (a threshold: not negative)")
             continue
         counts = f.name.endswith(("stages", "strip", "per_sm"))
         if v < 1 or (not counts and v & (v - 1)):
@@ -419,6 +424,20 @@ class BackwardTiles:
     # Stop 43, H100 80GB, one run each: DeepSeek-V3 256 experts 37.13 / 37.63, Qwen3 128 experts
     # 11.30 / 11.25, DeepSeek-V3 32 experts 18.22 / 18.40, Qwen3 16 experts 7.47 / 7.47.
     wgrad_evict_first: bool = True
+    # Experts of at most this many rows reduce their weight-gradient strips as one flat loop of
+    # wgrad_cols / 2 wide blocks (0: never). Where an expert has few rows each block is a few
+    # row steps, and a loop per block pays its pipeline's fill, drain and store each time: at
+    # 256 experts (128 rows an expert, two steps) a block took about 5.2 us where its products
+    # take 1.4 (stop 43), and the weight gradients were 16.4 of the 25.9 ms of DeepSeek-V3 256
+    # experts' backward per worker (H100, stop 51); at Qwen3 128 experts (256 rows, four steps)
+    # 6.8 us against 2.8. A flat loop keeps the next block's loads in flight during a block's
+    # store. Half-width blocks, because a flat loop of 128 x 256 blocks beside the 256-column dx
+    # and SwiGLU-backward tiles leaves ptxas too few registers (C7512; wgrad_block_loops).
+    # Offline sm_90 (Triton 3.6) with the path compiled in: no C7512, every wgmma loop one in
+    # flight, spills 1,940 / 1,368 / 896 B at DeepSeek-V3 256 and 32 and Qwen3 128 experts
+    # against 1,040 / 676 / 876 without, and the router-gradient loop reloads spilled registers
+    # (15 a step). Untimed (layer_backward.py variants wgrad_flat256, wgrad_flat512).
+    wgrad_flat_upto: int = 0
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -436,7 +455,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, WG_FLAT_ROWS=self.wgrad_flat_upto, num_warps=self.warps,
         )
 
 
