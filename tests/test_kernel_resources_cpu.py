@@ -77,8 +77,8 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
     # grid (gemm_tiles.py, 729 TFLOP/s at stop 44 against about 630 in the fused kernel): the
     # same products, copies, waits and barriers a step, and no more than 20% more instructions.
     # So what the fused kernel loses there is not in the loop's code (stop 50). Since gate/up
-    # tickets are claimed on pass (stop 51) the loop moves loop-invariant operands into uniform
-    # registers each step (R2UR 21 against 7): 146 instructions against the plain grid's 127
+    # tickets are claimed on pass (stop 51) ptxas builds the wgmma descriptors in ordinary
+    # registers and moves them to uniform ones each step (R2UR 21 against 7): 146 instructions against the plain grid's 127
     # under Triton 3.9, 145 against 114 under 3.6, in a kernel measured 4-9% faster for it.
     import kosmos_moe.kernels.tile_gemm as tile_gemm
 
