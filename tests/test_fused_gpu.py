@@ -98,7 +98,7 @@ def test_merged_expert_lookup(case, world):
 
 def test_gate_up_tickets_claimed_ahead():
     # Tiles.gate_up_claim_ahead on: a worker claims its next gate/up ticket as its previous
-    # gate/up tile starts, not in the pass that reaches that queue (the default).
+    # gate/up tile starts, not in the pass that reaches that queue as by default.
     run_and_check("sigmoid_group_shared", 2, tiles=replace(GPU_TILES, gate_up_claim_ahead=True))
 
 
