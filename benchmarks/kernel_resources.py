@@ -433,8 +433,9 @@ def main() -> None:
     tiles = {"forward": tile_overrides(args.tiles, GPU_TILES),
              "backward": tile_overrides(args.backward_tiles, GPU_BACKWARD_TILES)}
     calls = kernel_calls(args.case, tiles["forward"], tiles["backward"], args.tokens, args.ranks)
-    calls["plain_gate_up"] = plain_gate_up_call(args.case, tiles["forward"], args.tokens)
-    tiles["plain_gate_up"] = tiles["forward"]
+    if "plain_gate_up" in args.kernels:
+        calls["plain_gate_up"] = plain_gate_up_call(args.case, tiles["forward"], args.tokens)
+        tiles["plain_gate_up"] = tiles["forward"]
     reports, bad = {}, []
     for name in args.kernels:
         print(f"[{args.case}] compiling the {name} kernel for sm_90a", file=sys.stderr, flush=True)

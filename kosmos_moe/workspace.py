@@ -455,7 +455,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, WG_FLAT_ROWS=self.wgrad_flat_upto, num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, WG_FLAT_UPTO=self.wgrad_flat_upto, num_warps=self.warps,
         )
 
 

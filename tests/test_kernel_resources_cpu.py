@@ -73,13 +73,13 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
             # down tiles 4 (Tiles.stages, Tiles.down_stages).
             assert sorted(loop["stages"] for loop in gemm_loops) == [3, 3, 4, 4], gemm_loops
 
-    # The forward's routed gate/up loop compiles to the code of the same tile alone in a plain
-    # grid (gemm_tiles.py, 729 TFLOP/s at stop 44 against about 630 in the fused kernel): the
-    # same products, copies, waits and barriers a step, and no more than 20% more instructions.
-    # So what the fused kernel loses there is not in the loop's code (stop 50). Since gate/up
-    # tickets are claimed on pass (stop 51) ptxas builds the wgmma descriptors in ordinary
-    # registers and moves them to uniform ones each step (R2UR 21 against 7): 146 instructions against the plain grid's 127
-    # under Triton 3.9, 145 against 114 under 3.6, in a kernel measured 4-9% faster for it.
+    # The forward's routed gate/up loop compiles to the code of the same tile alone in a plain grid
+    # (gemm_tiles.py, 729 TFLOP/s at stop 44 against about 630 in the fused kernel): the same
+    # products, copies, waits and barriers a step, and no more than 20% more instructions. So what
+    # the fused kernel loses there is not in the loop's code (stop 50). Since gate/up tickets are
+    # claimed on pass (stop 51) ptxas builds the wgmma descriptors in ordinary registers and moves
+    # them to uniform ones each step (R2UR 21 against 7): 146 instructions against the plain grid's
+    # 127 under Triton 3.9, 145 against 114 under 3.6, in a kernel measured 4-9% faster for it.
     import kosmos_moe.kernels.tile_gemm as tile_gemm
 
     source, first = inspect.getsourcelines(tile_gemm.gate_up_pair_acc_tma.fn)
