@@ -50,11 +50,6 @@
 #   variants-stages  layer_forward.py on the four EP=1 cases, the default (4 gate/up stages from 128
 #                    local experts, 3 below) against 3 and 4 everywhere (stages3, stages4), in
 #                    both orders
-#   variants-flat    the backward GPU test of the few-row flat weight-gradient loops, then
-#                    layer_backward.py at 256 and 128 experts and DeepSeek-V3 32 (where the path is
-#                    compiled in but never taken), the default against wgrad_flat256 and
-#                    wgrad_flat512 (BackwardTiles.wgrad_flat_upto), then at 128 and 256 experts
-#                    in the other order
 #   stalls-claim     stall_profile.py on the forward at Qwen3 128 and DeepSeek-V3 32 experts, the
 #                    default, then Qwen3 128 with gate_up_claim_ahead: DRAM bytes read and the L2
 #                    fabric's share
@@ -130,11 +125,6 @@ run_stage() {
                              --out "$out/variants_stages.json" --variants default stages3 stages4 && \
                          python benchmarks/layer_forward.py --cases qwen3_full dsv3_rank dsv3_full qwen3_rank \
                              --out "$out/variants_stages_reversed.json" --variants stages4 stages3 default ;;
-        variants-flat) python -m pytest -q tests/test_fused_backward_gpu.py -k few_row_flat && \
-                       python benchmarks/layer_backward.py --cases dsv3_full qwen3_full dsv3_rank \
-                           --out "$out/variants_flat.json" --variants default wgrad_flat256 wgrad_flat512 && \
-                       python benchmarks/layer_backward.py --cases qwen3_full dsv3_full \
-                           --out "$out/variants_flat_reversed.json" --variants wgrad_flat512 wgrad_flat256 default ;;
         stalls-claim) python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \
                       python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                       python benchmarks/stall_profile.py --case qwen3_full --variant gate_up_claim_ahead \

@@ -66,10 +66,6 @@ VARIANTS = {
     # slower at DeepSeek-V3 256 and even at 32 (BackwardTiles.wgrad_strip).
     "strip8": _backward_tiles(wgrad_strip=8),
     "strip4": _backward_tiles(wgrad_strip=4),
-    # Experts of at most 256 / 512 rows reduce their weight-gradient strips as one flat loop of
-    # 128 x 128 blocks (BackwardTiles.wgrad_flat_upto): DeepSeek-V3 256 and Qwen3 128 experts.
-    "wgrad_flat256": _backward_tiles(wgrad_flat_upto=256),
-    "wgrad_flat512": _backward_tiles(wgrad_flat_upto=512),
     "rows64": _backward_tiles(rows=64),
     "dx_stages3": _backward_tiles(dx_stages=3),
     "depth32": _backward_tiles(depth=32),

@@ -246,7 +246,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False, WG_FLAT_UPTO: tl.constexpr = 0,
+    WG_EVICT_FIRST: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -617,23 +617,10 @@ def expert_backward_kernel(
                         m_dim = tl.where(gu, 2 * I, H)
                         n_dim = tl.where(gu, H, I)
                         aligned = (H % 16 == 0) & (I % 16 == 0)
-                        # An expert of at most WG_FLAT_UPTO rows (BackwardTiles.wgrad_flat_upto): its
-                        # blocks are a few row steps each, so the strip runs as one flat loop of
-                        # half-width blocks, the next block's loads in flight during this one's
-                        # store (a flat loop of full-width blocks leaves ptxas too few registers).
-                        # Its blocks' epilogues are not in the profile's weight_grad_epilogue.
-                        flat = False
-                        if WG_FLAT_UPTO > 0:
-                            flat = n_rows_e <= WG_FLAT_UPTO
-                        if flat:
-                            row_reduction_strip(a_rows, b_rows, grad, n_rows_e, mb * BWM, sb * WS * 2, m_dim, n_dim,
-                                                2 * WS, BWM, BWN // 2, BKW, DOT_DTYPE, WG_STAGES, aligned,
-                                                WG_TMA, False, False, False, None, WG_EVICT_FIRST)
-                        else:
-                            row_reduction_strip(a_rows, b_rows, grad, n_rows_e, mb * BWM, sb * WS, m_dim, n_dim,
-                                                WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, aligned,
-                                                WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS, PROFILE,
-                                                profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST)
+                        row_reduction_strip(a_rows, b_rows, grad, n_rows_e, mb * BWM, sb * WS, m_dim, n_dim,
+                                            WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, aligned,
+                                            WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS, PROFILE,
+                                            profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST)
                         did = 8
                         q = -1
                         kind = 0

@@ -105,7 +105,10 @@ class Tiles:
     # 2.54 and 2.61 / 2.53; the rank views within 0.5% either way (DeepSeek-V3 32 5.07 / 5.07
     # and 5.06 / 5.07, Qwen3 16 2.00 / 2.00 and 2.00 / 2.01). On the H100 4 stages lost 3-5% at
     # DeepSeek-V3 256 experts with tickets claimed ahead (above; stop 46 10.11 / 10.45); with
-    # tickets claimed on pass it is untimed there (variant stages3 runs 3 everywhere).
+    # tickets claimed on pass (H100 80GB, stop 52, the same variants, default / 3 / 4 stages
+    # everywhere, both orders) Qwen3 128 2.71 / 2.84 / 2.70 and 2.71 / 2.84 / 2.71, DeepSeek-V3
+    # 256 9.43 / 9.49 / 9.42 and 9.44 / 9.50 / 9.41, DeepSeek-V3 32 5.18 / 5.17 / 5.30 and 5.17
+    # / 5.17 / 5.31, Qwen3 16 2.04 / 2.03 / 2.07 and 2.04 / 2.03 / 2.07.
     many_experts_stages: int = 4
     many_experts_from: int = 128
     # Pipeline stages of the down tiles (routed and shared; 48 KB each at 128 x 256 x 64, so 4
@@ -414,7 +417,13 @@ class BackwardTiles:
     # H100 80GB, stop 34, forward+backward ms against the flat strips with 128-column dx and
     # SwiGLU-backward tiles (layer_backward.py variant flat_strips), one run: DeepSeek-V3 32
     # experts 18.81 / 20.58, Qwen3 16 experts 7.82 / 8.36, DeepSeek-V3 256 experts 40.09 /
-    # 40.09, Qwen3 128 experts 11.67 / 11.71.
+    # 40.09, Qwen3 128 experts 11.67 / 11.71. Flat loops of 128 x 128 blocks for few-row experts
+    # only (those of at most 256 or 512 rows, where a loop per block pays most; the other tiles
+    # kept 256 columns) did not pay either: H100 80GB, stop 52, forward+backward ms, per block /
+    # flat to 256 / to 512 rows, one process each order: DeepSeek-V3 256 experts 35.15 / 35.75 /
+    # 35.69 and 35.27 / 35.59 / 35.62, Qwen3 128 10.78 / 10.68 / 10.74 and 10.75 / 10.75 /
+    # 10.69, and DeepSeek-V3 32 (one process), where the path was compiled in but never taken
+    # (its spills 1,368 against 676 B), 17.66 / 18.17 / 18.10. So that option was removed again.
     wgrad_block_loops: bool = True
     # The weight-gradient blocks stored (by pointer) with an L2 evict-first policy. At 256
     # experts they are 22.5 GB written once (DeepSeek-V3 at EP=1), likely pushing out of L2 the
@@ -424,20 +433,6 @@ class BackwardTiles:
     # Stop 43, H100 80GB, one run each: DeepSeek-V3 256 experts 37.13 / 37.63, Qwen3 128 experts
     # 11.30 / 11.25, DeepSeek-V3 32 experts 18.22 / 18.40, Qwen3 16 experts 7.47 / 7.47.
     wgrad_evict_first: bool = True
-    # Experts of at most this many rows reduce their weight-gradient strips as one flat loop of
-    # wgrad_cols / 2 wide blocks (0: never). Where an expert has few rows each block is a few
-    # row steps, and a loop per block pays its pipeline's fill, drain and store each time: at
-    # 256 experts (128 rows an expert, two steps) a block took about 5.2 us where its products
-    # take 1.4 (stop 43), and the weight gradients were 16.4 of the 25.9 ms of DeepSeek-V3 256
-    # experts' backward per worker (H100, stop 51); at Qwen3 128 experts (256 rows, four steps)
-    # 6.8 us against 2.8. A flat loop keeps the next block's loads in flight during a block's
-    # store. Half-width blocks, because a flat loop of 128 x 256 blocks beside the 256-column dx
-    # and SwiGLU-backward tiles leaves ptxas too few registers (C7512; wgrad_block_loops).
-    # Offline sm_90 (Triton 3.6) with the path compiled in: no C7512, every wgmma loop one in
-    # flight, spills 1,940 / 1,368 / 896 B at DeepSeek-V3 256 and 32 and Qwen3 128 experts
-    # against 1,040 / 676 / 876 without, and the router-gradient loop reloads spilled registers
-    # (15 a step). Untimed (layer_backward.py variants wgrad_flat256, wgrad_flat512).
-    wgrad_flat_upto: int = 0
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -455,7 +450,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, WG_FLAT_UPTO=self.wgrad_flat_upto, num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
         )
 
 

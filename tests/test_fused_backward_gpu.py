@@ -12,14 +12,11 @@ error must stay within twice the error of the bf16 reference backend on the same
 standard of tests/test_fused_gpu.py for the outputs.
 """
 
-from dataclasses import replace
-
 import pytest
 import torch
 
 from accuracy import assert_within
 from fused_cases import GPU_COUNTS, GPU_SHAPES, emulated_gpu_world, fp32_truth, skew_tokens
-from kosmos_moe.workspace import GPU_BACKWARD_TILES
 
 pytestmark = [
     pytest.mark.gpu,
@@ -42,9 +39,8 @@ REPLICATED = ("gate.weight", "shared_experts.gate_proj.weight", "shared_experts.
 ROUTER_MIN_TOKENS = 64
 
 
-def make_world(case, world, skew="none", max_tokens=768, workers=None, backward_tiles=None):
-    full, emulated, layers = emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND,
-                                                backward_tiles=backward_tiles)
+def make_world(case, world, skew="none", max_tokens=768, workers=None):
+    full, emulated, layers = emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND)
     return full, fp32_truth(full, case), emulated, layers
 
 
@@ -151,9 +147,8 @@ def check_against_reference(full, truth, layers, batches, outs, x_grads, what):
             assert_within(p.grad, ref_own[name], tru_own[name], f"{what} rank {r}: {name} (own tokens)")
 
 
-def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_tokens=768, workers=None,
-          backward_tiles=None):
-    full, truth, emulated, layers = make_world(case, world, skew, max_tokens, workers, backward_tiles)
+def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_tokens=768, workers=None):
+    full, truth, emulated, layers = make_world(case, world, skew, max_tokens, workers)
     counts = counts or COUNTS[:world]
     what = f"{case} world {world} skew {skew} {pattern}"
     if pattern == "fused":
@@ -187,12 +182,6 @@ def test_other_router_shared_combinations(case):
 def test_forced_worker_counts(workers):
     """One worker per rank runs every task kind in turn; seven leave most SMs free."""
     check("sigmoid_group_shared", 2, workers=workers)
-
-
-def test_few_row_flat_weight_gradients():
-    """Every expert's weight-gradient strips as one flat loop of half-width blocks
-    (BackwardTiles.wgrad_flat_upto; the CPU tests run it beside the loop per block in one launch)."""
-    check("sigmoid_group_shared", 2, backward_tiles=replace(GPU_BACKWARD_TILES, wgrad_flat_upto=1 << 20))
 
 
 @pytest.mark.parametrize("skew", ["one_expert", "one_rank"])

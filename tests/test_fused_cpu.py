@@ -185,11 +185,10 @@ def test_bad_tile_sizes_are_refused():
         BackwardTiles(dx_cols=100, wgrad_strip=0)
     with pytest.raises(ValueError, match=r"Tiles: .*workers_per_sm=0"):
         replace(INTERPRETER_TILES, workers_per_sm=0)
-    with pytest.raises(ValueError, match=r"BackwardTiles: .*wgrad_flat_upto=-1 \(a threshold"):
-        BackwardTiles(wgrad_flat_upto=-1)
+    with pytest.raises(ValueError, match=r"Tiles: .*many_experts_from=-1 \(a threshold"):
+        replace(INTERPRETER_TILES, many_experts_from=-1)
     replace(INTERPRETER_TILES, stages=3, down_stages=5, workers_per_sm=3)  # counts need not be powers of two
     replace(INTERPRETER_TILES, many_experts_from=100, merged_lookup_from=0)  # thresholds neither
-    BackwardTiles(wgrad_flat_upto=300)
 
 
 def check_cpu_needs_interpreter(rank, world):
