@@ -100,8 +100,9 @@ def disagreement(parts: list[torch.Tensor], whole: torch.Tensor, elements: int =
             d = got.float() - want
             diffs.append(d.reshape(-1, d.shape[-1]).norm(dim=-1))
             refs.append(want.reshape(-1, d.shape[-1]).norm(dim=-1))
-            peaks.append(d.abs().max())
-            sums.append(d.abs().sum(dtype=torch.float64))
+            size = d.abs()
+            peaks.append(size.max())
+            sums.append(size.sum(dtype=torch.float64))
         at += part.shape[0]
     if not diffs:
         return {"relative": 0.0, "worst_row": 0.0, "max_abs": 0.0, "mean_abs": 0.0}
