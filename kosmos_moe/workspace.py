@@ -37,8 +37,8 @@ def check_tile_sizes(tiles) -> None:
     lengths and workers per SM (fields ending in ``stages``, ``strip`` or ``per_sm``) must be
     positive, every other size (block shapes, which index ``tl.arange``, and warps) a power of
     two; Triton would otherwise fail deep inside the compile of the whole kernel. L2 promotions
-    (fields ending in ``promotion``) must be one the driver encodes; thresholds (fields ending in
-    ``_from`` or ``_upto``) must not be negative."""
+    (fields ending in ``promotion``) must be one the driver encodes; thresholds and step counts
+    that may be off (fields ending in ``_from``, ``_upto`` or ``_ahead``) must not be negative."""
     from .tma_promotion import PROMOTIONS
 
     bad = []
@@ -50,9 +50,9 @@ def check_tile_sizes(tiles) -> None:
             if v not in PROMOTIONS:
                 bad.append(f"{f.name}={v} (L2 promotion bytes: one of {sorted(PROMOTIONS)})")
             continue
-        if f.name.endswith(("_from", "_upto")):
+        if f.name.endswith(("_from", "_upto", "_ahead")):
             if v < 0:
-                bad.append(f"{f.name}={v} (a threshold: not negative)")
+                bad.append(f"{f.name}={v} (a threshold or step count: not negative)")
             continue
         counts = f.name.endswith(("stages", "strip", "per_sm"))
         if v < 1 or (not counts and v & (v - 1)):
@@ -323,6 +323,9 @@ class BackwardTiles:
     # The kept-projection SwiGLU-backward epilogue runs in column halves, or in quarters where a
     # quarter is at least this wide (256-column tiles).
     swiglu_epilogue_cols: int = 64
+    # GPU only, 0 = off: the kept-projection SwiGLU-backward tiles ask L2 for their epilogue's
+    # gate and up projections this many steps before their GEMM's loop ends (untimed).
+    swiglu_kept_l2_ahead: int = 0
     recompute_cols: int = 64
     # BN of the dx tiles. 256 compiles beside 128 x 256 weight-gradient tiles only with
     # per-block weight-gradient loops (wgrad_block_loops; else C7512). H100 80GB, stop 34,
