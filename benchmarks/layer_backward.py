@@ -68,6 +68,8 @@ VARIANTS = {
     # projections 8 and 16 steps (of 64 columns) before their GEMM ends.
     "kept_l2_ahead8": _backward_tiles(swiglu_kept_l2_ahead=8),
     "kept_l2_ahead16": _backward_tiles(swiglu_kept_l2_ahead=16),
+    # Each dispatch copy step's loads issued before the previous step's stores.
+    "dispatch_ahead": _backward_tiles(dispatch_loads_ahead=True),
     "strip8": _backward_tiles(wgrad_strip=8),
     "strip4": _backward_tiles(wgrad_strip=4),
     "rows64": _backward_tiles(rows=64),

@@ -255,7 +255,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False, KEPT_L2_AHEAD: tl.constexpr = 0,
+    WG_EVICT_FIRST: tl.constexpr = False, KEPT_L2_AHEAD: tl.constexpr = 0, DISPATCH_AHEAD: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -589,7 +589,7 @@ def expert_backward_kernel(
                         dispatch_chunk(ctl, peers_ptr, me, par, a - 2 * n_lt - 1, x_ptr, g_ptr, topk_w_ptr,
                                        W, W_PAD, E, E_L, EL_PAD, O_PAD, TOP_K, T_MAX, H, BR, BH,
                                        C_TABLE, C_SEND_LIST, C_RECV_SRC, C_RECV_ENT, C_ARRIVED,
-                                       B_RECV_X, B_RECV_G, B_RECV_W, True, MODE == 0, SCOPE)
+                                       B_RECV_X, B_RECV_G, B_RECV_W, True, MODE == 0, SCOPE, DISPATCH_AHEAD)
                     did = 3
 
         # ---- DWGU / DWD: expert weight gradients, each a full reduction over the expert's rows ----

@@ -159,6 +159,36 @@ def expert_tasks(table, BM: tl.constexpr, N_A: tl.constexpr, N_B: tl.constexpr):
 
 
 @triton.jit
+def _copy_rows_ahead(x_ptr, g_ptr, dst_x, dst_g, tok, slot, row_ok, H: tl.constexpr, BH: tl.constexpr,
+                     WITH_G: tl.constexpr):
+    """``dst_x[slot] = x[tok]`` (and ``dst_g[slot] = g[tok]`` with WITH_G), ``BH`` columns a step,
+    each step's loads issued before the previous step's stores."""
+    src_x = x_ptr + tok[:, None] * H
+    src_g = g_ptr + tok[:, None] * H
+    cols = tl.arange(0, BH)
+    m2 = row_ok[:, None] & (cols < H)[None, :]
+    vx = tl.load(src_x + cols[None, :], mask=m2)
+    vg = vx
+    if WITH_G:
+        vg = tl.load(src_g + cols[None, :], mask=m2)
+    # The last step's loads are masked off entirely: it only stores.
+    for h0 in range(BH, H + BH, BH):
+        cols = h0 + tl.arange(0, BH)
+        m2 = row_ok[:, None] & (cols < H)[None, :]
+        nx = tl.load(src_x + cols[None, :], mask=m2)
+        ng = nx
+        if WITH_G:
+            ng = tl.load(src_g + cols[None, :], mask=m2)
+        prev = cols - BH
+        pm2 = row_ok[:, None] & (prev < H)[None, :]
+        tl.store(dst_x + slot[:, None] * H + prev[None, :], vx, mask=pm2)
+        if WITH_G:
+            tl.store(dst_g + slot[:, None] * H + prev[None, :], vg, mask=pm2)
+        vx = nx
+        vg = ng
+
+
+@triton.jit
 def dispatch_chunk(
     ctl, peers_ptr, me, par, d, x_ptr, g_ptr, weights_ptr,
     W: tl.constexpr, W_PAD: tl.constexpr, E: tl.constexpr, E_L: tl.constexpr, EL_PAD: tl.constexpr,
@@ -166,7 +196,7 @@ def dispatch_chunk(
     BR: tl.constexpr, BH: tl.constexpr,
     C_TABLE: tl.constexpr, C_SEND_LIST: tl.constexpr, C_RECV_SRC: tl.constexpr, C_RECV_ENT: tl.constexpr,
     C_ARRIVED: tl.constexpr, B_RECV_X: tl.constexpr, B_RECV_G: tl.constexpr, B_RECV_W: tl.constexpr,
-    COPY_LOCAL: tl.constexpr, WITH_G: tl.constexpr, SCOPE: tl.constexpr,
+    COPY_LOCAL: tl.constexpr, WITH_G: tl.constexpr, SCOPE: tl.constexpr, LOADS_AHEAD: tl.constexpr = False,
 ):
     """Dispatch chunk ``d`` of this rank: up to BR rows bound for one (destination, local expert).
 
@@ -176,6 +206,11 @@ def dispatch_chunk(
     destination's arrival counter of (this source, that expert) is raised. Rows of ``x`` (and
     of ``g`` with WITH_G) are copied, except to this rank itself unless COPY_LOCAL: local rows
     are read in place by the expert tiles. Needs every rank's counts (count table ``par``).
+
+    The copy runs ``BH`` columns a step. Each step loads, then stores: the compiler cannot move
+    a load above a store that may alias it, so every load's latency is exposed. With
+    ``LOADS_AHEAD`` a step issues the next step's loads (of ``x`` and ``g`` together) before
+    its stores, so the loads of a step are in flight while the previous step's data leaves.
     """
     DT = x_ptr.dtype.element_ty
     o_idx = tl.arange(0, O_PAD)
@@ -202,14 +237,17 @@ def dispatch_chunk(
         if (dst != me) | COPY_LOCAL:
             dst_x = peer_ptr(peers_ptr, dst, B_RECV_X, DT)
             dst_g = peer_ptr(peers_ptr, dst, B_RECV_G, DT)
-            for h0 in tl.range(0, H, BH):
-                cols = h0 + tl.arange(0, BH)
-                m2 = row_ok[:, None] & (cols < H)[None, :]
-                v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=m2)
-                tl.store(dst_x + slot[:, None] * H + cols[None, :], v, mask=m2)
-                if WITH_G:
-                    v = tl.load(g_ptr + tok[:, None] * H + cols[None, :], mask=m2)
-                    tl.store(dst_g + slot[:, None] * H + cols[None, :], v, mask=m2)
+            if LOADS_AHEAD:
+                _copy_rows_ahead(x_ptr, g_ptr, dst_x, dst_g, tok, slot, row_ok, H, BH, WITH_G)
+            else:
+                for h0 in tl.range(0, H, BH):
+                    cols = h0 + tl.arange(0, BH)
+                    m2 = row_ok[:, None] & (cols < H)[None, :]
+                    v = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=m2)
+                    tl.store(dst_x + slot[:, None] * H + cols[None, :], v, mask=m2)
+                    if WITH_G:
+                        v = tl.load(g_ptr + tok[:, None] * H + cols[None, :], mask=m2)
+                        tl.store(dst_g + slot[:, None] * H + cols[None, :], v, mask=m2)
         dst_ctl = peer_ptr(peers_ptr, dst, 0, tl.int32)
         tl.store(dst_ctl + C_RECV_SRC + slot, tl.zeros_like(ent) + me, mask=row_ok)
         tl.store(dst_ctl + C_RECV_ENT + slot, ent, mask=row_ok)

@@ -313,6 +313,9 @@ class BackwardTiles:
     route_cols: int = 64         # BHR: columns per step of d logits @ Wr
     dispatch_rows: int = 32      # BR
     dispatch_cols: int = 512     # BH
+    # Each dispatch copy step's loads (x and g rows) issued before the previous step's stores
+    # (kernels.queues.dispatch_chunk's LOADS_AHEAD; untimed).
+    dispatch_loads_ahead: bool = False
     rows: int = 128              # BM: rows per expert tile
     # Columns of a SwiGLU-backward task: one accumulator (g Wd) where the forward kept the
     # gate/up projections (H200, DeepSeek-V3 one-rank view: 2.24 ms busy per worker at 128,
@@ -453,7 +456,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, DISPATCH_AHEAD=self.dispatch_loads_ahead, num_warps=self.warps,
         )
 
 
