@@ -50,12 +50,6 @@
 #   variants-stages  layer_forward.py on the four EP=1 cases, the default (4 gate/up stages from 128
 #                    local experts, 3 below) against 3 and 4 everywhere (stages3, stages4), in
 #                    both orders
-#   variants-kept-l2 layer_backward.py --profile on the four EP=1 cases, the default against the
-#                    kept-projection SwiGLU-backward tiles asking L2 for their epilogue's gate and
-#                    up projections 8 and 16 steps before their GEMM ends (kept_l2_ahead8, 16)
-#   variants-dispatch layer_backward.py --profile on the four EP=1 cases, the default against each
-#                    dispatch copy step's loads issued before the previous step's stores
-#                    (dispatch_ahead), then both unprofiled in the other order
 #   stalls-claim     stall_profile.py on the forward at Qwen3 128 and DeepSeek-V3 32 experts, the
 #                    default, then Qwen3 128 with gate_up_claim_ahead: DRAM bytes read and the L2
 #                    fabric's share
@@ -131,13 +125,6 @@ run_stage() {
                              --out "$out/variants_stages.json" --variants default stages3 stages4 && \
                          python benchmarks/layer_forward.py --cases qwen3_full dsv3_rank dsv3_full qwen3_rank \
                              --out "$out/variants_stages_reversed.json" --variants stages4 stages3 default ;;
-        variants-kept-l2) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                              --profile --out "$out/variants_kept_l2.json" \
-                              --variants default kept_l2_ahead8 kept_l2_ahead16 ;;
-        variants-dispatch) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                               --profile --out "$out/variants_dispatch.json" --variants default dispatch_ahead && \
-                           python benchmarks/layer_backward.py --cases qwen3_full dsv3_full qwen3_rank dsv3_rank \
-                               --out "$out/variants_dispatch_reversed.json" --variants dispatch_ahead default ;;
         stalls-claim) python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \
                       python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                       python benchmarks/stall_profile.py --case qwen3_full --variant gate_up_claim_ahead \

@@ -64,12 +64,6 @@ VARIANTS = {
     # Stop 50 (H100 80GB): strip4 read 4.6 GB less from DRAM in the DeepSeek-V3 32-expert
     # backward but took as long; strip8 was 2% faster at Qwen3 16 experts, 1% at 128, 0.8%
     # slower at DeepSeek-V3 256 and even at 32 (BackwardTiles.wgrad_strip).
-    # The kept-projection SwiGLU-backward tiles asking L2 for their epilogue's gate and up
-    # projections 8 and 16 steps (of 64 columns) before their GEMM ends.
-    "kept_l2_ahead8": _backward_tiles(swiglu_kept_l2_ahead=8),
-    "kept_l2_ahead16": _backward_tiles(swiglu_kept_l2_ahead=16),
-    # Each dispatch copy step's loads issued before the previous step's stores.
-    "dispatch_ahead": _backward_tiles(dispatch_loads_ahead=True),
     "strip8": _backward_tiles(wgrad_strip=8),
     "strip4": _backward_tiles(wgrad_strip=4),
     "rows64": _backward_tiles(rows=64),

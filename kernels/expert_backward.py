@@ -167,7 +167,7 @@ def kept_swiglu_backward(
     g_ptr, n_rows, w_down_ptr, kept, wgt, r64, row_ok, n0, hw, dgu,
     H: tl.constexpr, I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BN_EPI: tl.constexpr,
     BK: tl.constexpr, DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr,
-    PROFILE: tl.constexpr, profile_ptr, KEPT_L2_AHEAD: tl.constexpr = 0,
+    PROFILE: tl.constexpr, profile_ptr,
 ):
     """A SwiGLU-backward tile whose rows' gate and up projections the forward kept (``kept``:
     one pointer per row): ``dh' = g @ Wd[:, n0:n0+BN]`` is its only GEMM. The epilogue runs in
@@ -176,17 +176,12 @@ def kept_swiglu_backward(
     quarters where a quarter is still ``BN_EPI`` columns wide (256-column tiles beside per-block
     weight-gradient loops: 776 B of spills against 1,668 in halves). Each part reads its kept
     projections, gathered by row, after the previous part's stores: requesting them a part
-    ahead made the backward 0.4-2.0% slower (H100 80GB, stop 50), and asking L2 for them before
-    the GEMM made the epilogue slower where the GEMM is long (26.1 -> 27.9 us at DeepSeek-V3 32
-    experts, 25.5 -> 22.8 at Qwen3 128; H100 80GB, stop 36). ``KEPT_L2_AHEAD > 0`` (GPU only)
-    asks for them that many steps before the GEMM's loop ends: every row's gate and up lines of
-    the tile's columns."""
-    N_LINES: tl.constexpr = BN * (kept.dtype.element_ty.primitive_bitwidth // 8) // 128
-    LINE: tl.constexpr = BN // N_LINES
-    j = tl.arange(0, 2 * N_LINES)
-    line_offsets = n0 + (j % N_LINES) * LINE + (j // N_LINES) * I
-    dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA,
-                                 kept, line_offsets, KEPT_L2_AHEAD)
+    ahead made the backward 0.4-2.0% slower (H100 80GB, stop 50). Asking L2 for them (prefetch)
+    before the GEMM made the epilogue slower where the GEMM is long (stop 36), and 8 or 16 steps
+    before its loop ends (stop 53, H100 80GB) took the epilogue from 24.8 to 22.2 / 24.1 us at
+    DeepSeek-V3 32 experts and left the step as long (17.83 / 17.89 / 17.97 ms): the loads'
+    latency is not what the epilogue waits on."""
+    dh1 = rows_times_weight_tile(g_ptr, n_rows, w_down_ptr, n0, H, I, BM, BN, BK, DOT_DTYPE, STAGES, TMA)
     t_epilogue = now() if PROFILE else 0
     lo, hi = column_halves(dh1, BM, BN // 2)
     if BN >= 4 * BN_EPI:
@@ -255,7 +250,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False, KEPT_L2_AHEAD: tl.constexpr = 0, DISPATCH_AHEAD: tl.constexpr = False,
+    WG_EVICT_FIRST: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -481,7 +476,7 @@ def expert_backward_kernel(
                         if SAVED == SAVED_ALL:
                             part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH, hw,
                                                         dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                        TILE_TMA, PROFILE, profile_ptr, KEPT_L2_AHEAD)
+                                                        TILE_TMA, PROFILE, profile_ptr)
                         else:
                             use_kept = False
                             if SAVED == SAVED_SOME:
@@ -489,7 +484,7 @@ def expert_backward_kernel(
                             if use_kept:
                                 part = kept_swiglu_backward(g_rows, n_rows, w_dn, kept, wgt, r64, row_ok, ib * BN_DH,
                                                             hw, dgu, H, I, BM, BN_DH, BN_EPI, BK, DOT_DTYPE, DX_STAGES,
-                                                            TILE_TMA, PROFILE, profile_ptr, KEPT_L2_AHEAD)
+                                                            TILE_TMA, PROFILE, profile_ptr)
                             else:
                                 w_e = w_gate_up_ptr + e.to(tl.int64) * 2 * I * H
                                 part = recomputed_swiglu_backward(recv_x + rows.to(tl.int64) * H,
@@ -589,7 +584,7 @@ def expert_backward_kernel(
                         dispatch_chunk(ctl, peers_ptr, me, par, a - 2 * n_lt - 1, x_ptr, g_ptr, topk_w_ptr,
                                        W, W_PAD, E, E_L, EL_PAD, O_PAD, TOP_K, T_MAX, H, BR, BH,
                                        C_TABLE, C_SEND_LIST, C_RECV_SRC, C_RECV_ENT, C_ARRIVED,
-                                       B_RECV_X, B_RECV_G, B_RECV_W, True, MODE == 0, SCOPE, DISPATCH_AHEAD)
+                                       B_RECV_X, B_RECV_G, B_RECV_W, True, MODE == 0, SCOPE)
                     did = 3
 
         # ---- DWGU / DWD: expert weight gradients, each a full reduction over the expert's rows ----

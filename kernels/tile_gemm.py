@@ -184,20 +184,11 @@ def swiglu_backward_tile(
 
 
 @triton.jit
-def prefetch_l2(lines):
-    """Ask L2 for the lines at the pointers ``lines`` (a hint: nothing waits for it, and no
-    result). GPU only: the interpreter runs no inline assembly."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
 def rows_times_weight_tile(
     a_ptr, n_rows, w_ptr, n0,
     K_DIM: tl.constexpr, N_DIM: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr = False,
-    l2_rows=None, l2_offsets=None, L2_AHEAD: tl.constexpr = 0,
 ):
     """Return the fp32 tile ``a[:BM] @ W[:, n0:n0+BN]`` for a row-major ``W`` ``[K_DIM, N_DIM]``
     and ``n_rows >= 1`` contiguous rows of ``a``.
@@ -205,9 +196,6 @@ def rows_times_weight_tile(
     ``TMA``: both operands through descriptors made here (``a`` over exactly ``n_rows`` rows,
     so the copy engine zero-fills the rest of the tile); needs 16-byte aligned bases and row
     strides (see ``row_reduction_strip``).
-
-    ``L2_AHEAD > 0`` (GPU only): ``L2_AHEAD`` steps before the loop ends, ask L2 for the lines
-    at ``l2_rows[:, None] + l2_offsets[None, :]``, what the caller's epilogue reads next.
     """
     rows = tl.arange(0, BM)
     cols = n0 + tl.arange(0, BN)
@@ -221,9 +209,6 @@ def rows_times_weight_tile(
         w_desc = tl.make_tensor_descriptor(w_ptr, shape=[K_DIM, N_DIM], strides=[N_DIM, 1], block_shape=[BK, BN])
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in tl.range(0, K_DIM, BK, num_stages=STAGES):
-        if L2_AHEAD > 0:
-            if k0 == (tl.cdiv(K_DIM, BK) - L2_AHEAD) * BK:
-                prefetch_l2(l2_rows[:, None] + l2_offsets[None, :])
         if TMA:
             a = a_desc.load([0, k0])
             b = w_desc.load([k0, n0])

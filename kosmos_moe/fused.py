@@ -820,7 +820,6 @@ class FusedBackward(_PersistentLaunch):
             TILE_TMA=t.tile_tma and tma,
             # The interpreter has no inline assembly, and no proxies to order.
             PROXY_FENCE=self._targets_gpu(on_gpu),
-            KEPT_L2_AHEAD=t.swiglu_kept_l2_ahead if self._targets_gpu(on_gpu) else 0,
         )
 
     def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:

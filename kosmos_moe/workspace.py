@@ -37,8 +37,8 @@ def check_tile_sizes(tiles) -> None:
     lengths and workers per SM (fields ending in ``stages``, ``strip`` or ``per_sm``) must be
     positive, every other size (block shapes, which index ``tl.arange``, and warps) a power of
     two; Triton would otherwise fail deep inside the compile of the whole kernel. L2 promotions
-    (fields ending in ``promotion``) must be one the driver encodes; thresholds and step counts
-    that may be off (fields ending in ``_from``, ``_upto`` or ``_ahead``) must not be negative."""
+    (fields ending in ``promotion``) must be one the driver encodes; thresholds (fields ending in
+    ``_from`` or ``_upto``) must not be negative."""
     from .tma_promotion import PROMOTIONS
 
     bad = []
@@ -50,9 +50,9 @@ def check_tile_sizes(tiles) -> None:
             if v not in PROMOTIONS:
                 bad.append(f"{f.name}={v} (L2 promotion bytes: one of {sorted(PROMOTIONS)})")
             continue
-        if f.name.endswith(("_from", "_upto", "_ahead")):
+        if f.name.endswith(("_from", "_upto")):
             if v < 0:
-                bad.append(f"{f.name}={v} (a threshold or step count: not negative)")
+                bad.append(f"{f.name}={v} (a threshold: not negative)")
             continue
         counts = f.name.endswith(("stages", "strip", "per_sm"))
         if v < 1 or (not counts and v & (v - 1)):
@@ -313,9 +313,6 @@ class BackwardTiles:
     route_cols: int = 64         # BHR: columns per step of d logits @ Wr
     dispatch_rows: int = 32      # BR
     dispatch_cols: int = 512     # BH
-    # Each dispatch copy step's loads (x and g rows) issued before the previous step's stores
-    # (kernels.queues.dispatch_chunk's LOADS_AHEAD; untimed).
-    dispatch_loads_ahead: bool = False
     rows: int = 128              # BM: rows per expert tile
     # Columns of a SwiGLU-backward task: one accumulator (g Wd) where the forward kept the
     # gate/up projections (H200, DeepSeek-V3 one-rank view: 2.24 ms busy per worker at 128,
@@ -326,9 +323,6 @@ class BackwardTiles:
     # The kept-projection SwiGLU-backward epilogue runs in column halves, or in quarters where a
     # quarter is at least this wide (256-column tiles).
     swiglu_epilogue_cols: int = 64
-    # GPU only, 0 = off: the kept-projection SwiGLU-backward tiles ask L2 for their epilogue's
-    # gate and up projections this many steps before their GEMM's loop ends (untimed).
-    swiglu_kept_l2_ahead: int = 0
     recompute_cols: int = 64
     # BN of the dx tiles. 256 compiles beside 128 x 256 weight-gradient tiles only with
     # per-block weight-gradient loops (wgrad_block_loops; else C7512). H100 80GB, stop 34,
@@ -456,7 +450,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, DISPATCH_AHEAD=self.dispatch_loads_ahead, num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
         )
 
 

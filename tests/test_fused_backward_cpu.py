@@ -306,18 +306,15 @@ def check_gemm_operands(rank, world, items, tma, block_loops):
 
     from kosmos_moe.workspace import INTERPRETER_BACKWARD_TILES
 
-    # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters; the
-    # TMA run copies dispatched rows with each step's loads ahead of the previous step's stores.
+    # The flat-strip run also splits the SwiGLU-backward epilogue in halves, not quarters.
     tiles = dataclasses.replace(INTERPRETER_BACKWARD_TILES, wgrad_tma=tma, tile_tma=tma,
-                                wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16,
-                                dispatch_loads_ahead=tma)
+                                wgrad_block_loops=block_loops, swiglu_epilogue_cols=8 if block_loops else 16)
     check_cases(rank, world, items, backward_tiles=tiles)
     _, fused = build(world, items[0][0], "none", max_tokens=8, backward_tiles=tiles)
     launch = fused.fused().backward
     launch.prepare(torch.float32)
     consts = launch._common_constexprs(torch.float32)  # what each launch passes
     assert consts["WG_TMA"] is tma and consts["TILE_TMA"] is tma and consts["PROXY_FENCE"] is False
-    assert tiles.kernel_constants()["DISPATCH_AHEAD"] is tma
 
 
 @pytest.mark.parametrize("tma, block_loops", [(False, False), (True, True)],
@@ -327,8 +324,7 @@ def test_backward_gemm_operands(tma, block_loops):
     TMA (the default here: the interpreter emulates it); the one_rank skew leaves the first
     rank's experts without rows, whose weight gradients must be zeros. The pointer run also
     reduces each weight-gradient strip in one flat loop (wgrad_block_loops off) and runs the
-    SwiGLU-backward epilogue in column halves (swiglu_epilogue_cols), the defaults until stop 34;
-    the TMA run copies the dispatched rows with their loads a step ahead (dispatch_loads_ahead)."""
+    SwiGLU-backward epilogue in column halves (swiglu_epilogue_cols), the defaults until stop 34."""
     run_world(2, check_gemm_operands, [("softmax_shared", "one_rank")], tma, block_loops, env=INTERPRET)
 
 
