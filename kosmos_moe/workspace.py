@@ -407,6 +407,10 @@ class BackwardTiles:
     # descriptors made in the task, where kosmos_moe.fused.backward_tma_usable allows. Off: on
     # the H200 it made them slower (busy ms per worker, pointer loads vs TMA, DeepSeek-V3 rank
     # view: dx 3.74 vs 3.85, SwiGLU backward 2.26 vs 2.28; 256 experts: dx 6.22 vs 6.71).
+    # Again beside today's 256-column tiles (H100 80GB, stop 53, forward+backward ms, pointer
+    # loads / TMA, two processes): DeepSeek-V3 32 experts 18.07 / 18.19 and 18.15 / 18.17,
+    # Qwen3 16 7.37 / 7.47 and 7.41 / 7.55, DeepSeek-V3 256 35.31 / 35.23 and 35.28 / 35.14,
+    # Qwen3 128 10.78 / 10.80 and 10.87 / 10.76.
     tile_tma: bool = False
     # Each weight-gradient block its own pipelined loop instead of one flat loop over the
     # strip's blocks and row steps (tile_gemm.row_reduction_strip's BLOCK_LOOPS). Offline (sm_90,
