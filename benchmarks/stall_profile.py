@@ -18,8 +18,11 @@ the case's shared expert) and writes, for CASE_DIRECTION (then _VARIANT, _noshar
 (``.ncu-rep``), its details page (``_details.txt``: speed of light, warp states, memory, and
 the bytes moved to and from DRAM and L2's lookups by kind, also printed), its
 source page per SASS instruction (``_sass.csv``) and per source line (``_lines.csv``), and
-the lines with the most stall samples and their main stall reasons (``_lines.txt``, also
-printed). ``--aggregate FILE_lines.csv`` redoes that table without a GPU.
+the lines with the most stall samples and their main stall reasons, then the innermost SASS
+loops with theirs (``_lines.txt``, also printed). ``--aggregate FILE_lines.csv`` and ``--loops
+FILE_sass.csv`` redo those tables without a GPU. The loops table exists because a line of an
+inlined tile function sums all of its call sites: the dx and SwiGLU-backward tiles share one
+GEMM loop line, but not one loop in the machine code.
 
 Nsight Compute replays the kernel for its counters, restoring the memory it writes between
 passes, so the self-scheduling kernel runs each pass from the same state. ``--clock-control
@@ -32,6 +35,7 @@ import argparse
 import collections
 import csv
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -140,6 +144,73 @@ def aggregate(lines_csv: str, top: int = 50) -> str:
     for key, n in per_line.most_common(top):
         why = ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in reasons[key].most_common(3) if v)
         out.append(f"{100 * n / total:5.1f}%  {key[0]}:{key[1]:<5} {source[key][:70]:70} | {why}")
+    return "\n".join(out)
+
+
+# Instruction kinds counted per loop iteration: tensor-core products, asynchronous copies by
+# thread (LDGSTS) and by the copy engine (UTMALDG), spill traffic, CTA barriers.
+LOOP_OPS = ("HGMMA", "LDGSTS", "UTMALDG", "LDL", "STL", "BAR.SYNC")
+_BRANCH = re.compile(r"\bBRA\s+(?:`\()?(0x[0-9a-fA-F]+)")
+
+
+def _opcode(sass: str) -> str:
+    """``@!P1 BRA 0x10`` -> ``BRA``: the instruction without its predicate."""
+    words = sass.split()
+    return words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
+
+
+def loops(sass_csv: str, top: int = 8) -> str:
+    """Stall samples per innermost SASS loop, from an ``ncu --page source --csv --print-source
+    sass`` export.
+
+    A loop is a backward branch and the instructions from its target to it; innermost loops
+    (no other loop inside) are the GEMM and copy loops, whose per-line totals mix every call
+    site of an inlined function. Per loop: its share of the samples and their main reasons,
+    its instructions and how many of them are products, copies, spill loads or stores and
+    barriers, how often its branch ran (warp instructions: iterations times warps), and the
+    instructions holding the most samples.
+    """
+    with open(sass_csv, newline="") as f:
+        rows = list(csv.reader(f))
+    at = next((i for i, r in enumerate(rows) if "Address" in r and "Source" in r), None)
+    if at is None:
+        raise ValueError(f"{sass_csv}: no header row with Address and Source")
+    header = rows[at]
+    col = {name: header.index(name) for name in ("Address", "Source", "Warp Stall Sampling (All Samples)")}
+    executed = header.index("Instructions Executed") if "Instructions Executed" in header else None
+    reason_cols = [(i, name[6:]) for i, name in enumerate(header) if name.startswith("stall_") and "(Not Issued)" not in name]
+    body = [r for r in rows[at + 1:] if len(r) == len(header) and r[col["Address"]].startswith("0x")]
+    address = [int(r[col["Address"]], 16) for r in body]
+    samples = [_number(r[col["Warp Stall Sampling (All Samples)"]]) for r in body]
+    total = sum(samples)
+    if not total:
+        raise ValueError(f"{sass_csv}: no stall samples found")
+    index = {a: i for i, a in enumerate(address)}
+    spans = []
+    for i, r in enumerate(body):
+        m = _BRANCH.search(r[col["Source"]])
+        if m and int(m.group(1), 16) < address[i] and int(m.group(1), 16) in index:
+            spans.append((index[int(m.group(1), 16)], i))
+    inner = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+    ranked = sorted(inner, key=lambda span: -sum(samples[span[0]:span[1] + 1]))[:top]
+    out = [f"{sass_csv}: {total:.0f} stall samples, {len(inner)} innermost loops; the {len(ranked)} with the most:"]
+    for a, b in ranked:
+        part = body[a:b + 1]
+        n = sum(samples[a:b + 1])
+        why = collections.Counter()
+        for r in part:
+            for i, name in reason_cols:
+                why[name] += _number(r[i])
+        opcodes = [_opcode(r[col["Source"]]) for r in part]
+        ops = ", ".join(f"{op} {sum(code.startswith(op) for code in opcodes)}" for op in LOOP_OPS)
+        runs = f", branch ran {_number(body[b][executed]):,.0f} times" if executed is not None else ""
+        out.append(f"{100 * n / total:5.1f}%  {body[a][col['Address']]}..{body[b][col['Address']]}: {b - a + 1} "
+                   f"instructions ({ops}){runs}; " + ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in why.most_common(3)
+                                                              if v and n))
+        for i in sorted(range(a, b + 1), key=lambda i: -samples[i])[:3]:
+            if samples[i]:
+                main = max(reason_cols, key=lambda rc: _number(body[i][rc[0]]))[1]
+                out.append(f"         {100 * samples[i] / total:5.2f}%  {body[i][col['Source']].strip()[:60]:60} | {main}")
     return "\n".join(out)
 
 
@@ -258,6 +329,10 @@ def profile(case: str, direction: str, out_dir: str, ncu: str, variant: str = "d
         table = aggregate(stem + "_lines.csv")
     except Exception as exc:  # an export this script does not read: the raw files are kept
         table = f"could not aggregate {stem}_lines.csv: {exc!r}"
+    try:
+        table += "\n\n" + loops(stem + "_sass.csv")
+    except Exception as exc:
+        table += f"\n\ncould not find the loops of {stem}_sass.csv: {exc!r}"
     with open(stem + "_lines.txt", "w") as f:
         f.write(table + "\n")
     print(table)
@@ -275,9 +350,12 @@ def main() -> None:
     parser.add_argument("--target", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="results/stalls")
     parser.add_argument("--aggregate", metavar="CSV", help="only print the per-line table of an export")
+    parser.add_argument("--loops", metavar="CSV", help="only print the innermost SASS loops of a _sass.csv export")
     args = parser.parse_args()
     if args.aggregate:
         print(aggregate(args.aggregate))
+    elif args.loops:
+        print(loops(args.loops))
     elif args.target:
         run_target(args.case, args.backward, args.variant, args.shared)
     else:

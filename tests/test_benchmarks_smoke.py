@@ -190,6 +190,43 @@ def test_stall_profile_aggregates_an_export(tmp_path, monkeypatch):
         stall.aggregate(str(empty))
 
 
+def test_stall_profile_finds_the_innermost_loops(tmp_path, monkeypatch):
+    """stall_profile.loops reads ncu's per-instruction export, takes each backward branch and
+    its target as a loop, keeps the innermost ones and ranks them by samples, counting their
+    products, copies, spills and barriers (predicates stripped); no GPU or ncu needed."""
+    stall = benchmark_module("stall_profile", monkeypatch)
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+              "stall_barrier", "stall_long_sb", "stall_barrier (Not Issued)"]
+    code = [  # address, instruction, samples, executed, barrier, long scoreboard
+        (0x00, "MOV R1, c[0x0][0x28]", 1, 8, 0, 1),
+        (0x10, "LDGSTS.E.BYPASS.128 [R2], desc[UR4][R4.64]", 4, 64, 0, 4),   # inner loop A
+        (0x20, "@!PT  LDL R9, [R1+0x28]", 6, 64, 6, 0),
+        (0x30, "HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24", 10, 64, 0, 10),
+        (0x40, "@P1   BRA 0x10", 0, 64, 0, 0),
+        (0x50, "BAR.SYNC.DEFER_BLOCKING 0x0", 20, 16, 20, 0),                # inner loop B
+        (0x60, "UTMALDG.2D [UR32], [UR26]", 30, 16, 10, 20),
+        (0x70, "@!P2  BRA `(0x50)", 9, 16, 0, 9),
+        (0x80, "BRA 0x0", 0, 8, 0, 0),                                        # the outer loop
+        (0x90, "EXIT", 0, 8, 0, 0),
+    ]
+    rows = [["Kernel Name", "expert_backward_kernel"], header]
+    rows += [[hex(a), src, str(n), str(ex), str(bar), str(lsb), str(bar)] for a, src, n, ex, bar, lsb in code]
+    export = tmp_path / "case_backward_sass.csv"
+    export.write_text("\n".join(",".join(f'"{c}"' for c in r) for r in rows) + "\n")
+    table = stall.loops(str(export)).splitlines()
+    assert "80 stall samples, 2 innermost loops" in table[0]
+    heads = [line for line in table if ".." in line]
+    assert heads[0].split()[:3] == ["73.8%", "0x50..0x70:", "3"] and "UTMALDG 1" in heads[0]
+    assert "BAR.SYNC 1" in heads[0] and "branch ran 16 times" in heads[0] and "long_sb 49%" in heads[0]
+    assert heads[1].split()[:3] == ["25.0%", "0x10..0x40:", "4"]
+    assert "HGMMA 1, LDGSTS 1, UTMALDG 0, LDL 1, STL 0" in heads[1]
+    assert any("UTMALDG.2D" in line and "| long_sb" in line for line in table)
+    with pytest.raises(ValueError, match="no header row"):
+        bad = tmp_path / "bad_sass.csv"
+        bad.write_text('"Kernel Name","x"\n')
+        stall.loops(str(bad))
+
+
 def test_stall_profile_reads_the_traffic_metrics(monkeypatch):
     """stall_profile.traffic picks the DRAM and L2 metrics out of ncu's details page (base
     units, thousands separators) and nothing else."""
