@@ -178,7 +178,8 @@ def loops(sass_csv: str, top: int = 8) -> str:
     header = rows[at]
     col = {name: header.index(name) for name in ("Address", "Source", "Warp Stall Sampling (All Samples)")}
     executed = header.index("Instructions Executed") if "Instructions Executed" in header else None
-    reason_cols = [(i, name[6:]) for i, name in enumerate(header) if name.startswith("stall_") and "(Not Issued)" not in name]
+    reason_cols = [(i, name[6:]) for i, name in enumerate(header)
+                   if name.startswith("stall_") and "(Not Issued)" not in name]
     body = [r for r in rows[at + 1:] if len(r) == len(header) and r[col["Address"]].startswith("0x")]
     address = [int(r[col["Address"]], 16) for r in body]
     samples = [_number(r[col["Warp Stall Sampling (All Samples)"]]) for r in body]
@@ -204,9 +205,9 @@ def loops(sass_csv: str, top: int = 8) -> str:
         opcodes = [_opcode(r[col["Source"]]) for r in part]
         ops = ", ".join(f"{op} {sum(code.startswith(op) for code in opcodes)}" for op in LOOP_OPS)
         runs = f", branch ran {_number(body[b][executed]):,.0f} times" if executed is not None else ""
+        reasons = ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in why.most_common(3) if v and n)
         out.append(f"{100 * n / total:5.1f}%  {body[a][col['Address']]}..{body[b][col['Address']]}: {b - a + 1} "
-                   f"instructions ({ops}){runs}; " + ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in why.most_common(3)
-                                                              if v and n))
+                   f"instructions ({ops}){runs}; {reasons}")
         for i in sorted(range(a, b + 1), key=lambda i: -samples[i])[:3]:
             if samples[i]:
                 main = max(reason_cols, key=lambda rc: _number(body[i][rc[0]]))[1]
