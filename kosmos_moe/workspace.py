@@ -38,7 +38,7 @@ def check_tile_sizes(tiles) -> None:
     positive, every other size (block shapes, which index ``tl.arange``, and warps) a power of
     two; Triton would otherwise fail deep inside the compile of the whole kernel. L2 promotions
     (fields ending in ``promotion``) must be one the driver encodes; thresholds (fields ending in
-    ``_from`` or ``_upto``) must not be negative."""
+    ``_from``) must not be negative."""
     from .tma_promotion import PROMOTIONS
 
     bad = []
@@ -50,7 +50,7 @@ def check_tile_sizes(tiles) -> None:
             if v not in PROMOTIONS:
                 bad.append(f"{f.name}={v} (L2 promotion bytes: one of {sorted(PROMOTIONS)})")
             continue
-        if f.name.endswith(("_from", "_upto")):
+        if f.name.endswith("_from"):
             if v < 0:
                 bad.append(f"{f.name}={v} (a threshold: not negative)")
             continue
