@@ -73,8 +73,9 @@ def install() -> bool:
             log.warning("L2 promotion of TMA descriptors unavailable: %s", _disabled)
             return False
 
-        def make_tensordesc_arg(arg, metadata):
-            out = original(arg, metadata)
+        # Triton 3.8 added a third argument to this step; pass through whatever it is given.
+        def make_tensordesc_arg(arg, metadata, *rest):
+            out = original(arg, metadata, *rest)
             nbytes = getattr(arg, _ATTRIBUTE, None)
             if nbytes is not None and metadata is not None and _disabled is None:
                 _rewrite(out[0], arg, metadata, nbytes)

@@ -8,6 +8,7 @@ Triton's map is not what this module would have encoded.
 """
 
 import ctypes
+import inspect
 import logging
 from types import SimpleNamespace
 
@@ -22,15 +23,27 @@ META = {"swizzle": 3, "elem_size": 2, "elem_type": 6, "block_size": [16, 16], "f
 THEIRS, OURS = b"T" * 128, b"O" * 128
 
 
-@pytest.fixture
-def driver(monkeypatch):
-    """The NVIDIA driver module's descriptor step with a stand-in for Triton's encoding, fresh
-    hook state (all restored afterwards), and the stand-in map's memory."""
+def installed_arity() -> int:
+    """Positional arguments the installed Triton's descriptor step takes (2 in Triton 3.6, 3
+    from 3.8)."""
+    from triton.backends.nvidia import driver
+
+    return len(inspect.signature(driver.make_tensordesc_arg).parameters)
+
+
+# Triton's launcher calls the step with this many arguments (every Triton the hook may meet).
+@pytest.fixture(params=sorted({2, 3, installed_arity()}))
+def driver(monkeypatch, request):
+    """The NVIDIA driver module's descriptor step with a stand-in for Triton's encoding taking
+    the fixture's number of arguments, fresh hook state (all restored afterwards), and the
+    stand-in map's memory."""
     from triton.backends.nvidia import driver
 
     memory = (ctypes.c_uint8 * 256)()
+    arity = request.param
 
-    def triton_encoding(arg, metadata):  # what Triton returns: the map object, then shape and strides
+    def triton_encoding(arg, metadata, *rest):  # the map object, then shape and strides
+        assert len(rest) == arity - 2, f"Triton's step takes {arity} arguments, got {2 + len(rest)}"
         ctypes.memmove(ctypes.addressof(memory) + 128, THEIRS, 128)
         return ["map", *arg.shape, *arg.strides]
 
@@ -40,7 +53,9 @@ def driver(monkeypatch):
         monkeypatch.setattr(tp, name, value)
     monkeypatch.setattr(tp, "_object_memory", lambda tensor_map: (ctypes.addressof(memory), 256))
     monkeypatch.setattr(tp, "_encode", lambda arg, metadata, promotion: THEIRS if promotion == 128 else OURS)
-    return SimpleNamespace(module=driver, memory=memory)
+    extra = (None,) * (arity - 2)
+    call = lambda arg, meta: driver.make_tensordesc_arg(arg, meta, *extra)  # as the launcher does
+    return SimpleNamespace(module=driver, memory=memory, call=call)
 
 
 def descriptor():
@@ -56,20 +71,20 @@ def test_promote_checks_the_size_and_leaves_triton_s_own_alone(driver):
 
 def test_marked_descriptor_gets_the_promoted_map_in_place(driver):
     d = tp.promote(descriptor(), 256)
-    out = driver.module.make_tensordesc_arg(d, META)
+    out = driver.call(d, META)
     assert out == ["map", 64, 64, 64, 1]
     raw = bytes(driver.memory)
     assert raw[128:] == OURS and raw[:128] == bytes(128), "the map must be replaced where Triton's was, only there"
     assert tp.rewrites == 1 and tp.status() is None
     # A second launch of the same descriptor: Triton makes a fresh map, which is replaced again.
-    driver.module.make_tensordesc_arg(d, META)
+    driver.call(d, META)
     assert bytes(driver.memory)[128:] == OURS and tp.rewrites == 2
 
 
 def test_unmarked_descriptors_and_unlowered_ones_keep_triton_s_map(driver):
     tp.install()
-    driver.module.make_tensordesc_arg(descriptor(), META)
-    driver.module.make_tensordesc_arg(tp.promote(descriptor(), 256), None)  # no descriptor metadata: no map
+    driver.call(descriptor(), META)
+    driver.call(tp.promote(descriptor(), 256), None)  # no descriptor metadata: no map
     assert bytes(driver.memory)[128:] == THEIRS and tp.rewrites == 0
 
 
@@ -77,8 +92,8 @@ def test_a_map_unlike_this_module_s_encoding_is_never_replaced(driver, monkeypat
     monkeypatch.setattr(tp, "_encode", lambda arg, metadata, promotion: b"X" * 128 if promotion == 128 else OURS)
     d = tp.promote(descriptor(), 256)
     with caplog.at_level(logging.WARNING, logger="kosmos_moe.tma_promotion"):
-        driver.module.make_tensordesc_arg(d, META)
-        driver.module.make_tensordesc_arg(d, META)
+        driver.call(d, META)
+        driver.call(d, META)
     assert bytes(driver.memory)[128:] == THEIRS and tp.rewrites == 0
     assert "differs" in tp.status()
     assert sum("disabled" in r.message for r in caplog.records) == 1
