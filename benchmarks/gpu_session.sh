@@ -64,10 +64,33 @@
 #                    device call returns at most eight files; the profiles write five each)
 #   host-blocking    host_blocking.py (which host operations wait for running kernels), then the
 #                    backward tests that stalled with a shared expert in emulated worlds (stop 28)
+#   triton-versions  layer_backward.py --profile on the four EP=1 cases under the image's Triton,
+#                    then under the Triton packed in $CARRIED_TRITON (default
+#                    .carry/triton-3.9.0.tar.xz), then layer_forward.py under the carried one and
+#                    the image's: whether a newer Triton compiles faster kernels (stop 54)
+#
+# WITH_TRITON=.carry/triton-VERSION.tar.xz runs every stage under that Triton instead of the
+# image's (benchmarks/carry_triton.sh packs one; name .carry in the device call's carry).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 out="${OUT:-results/gpu_session}"
+
+# The environment (NAME=VALUE words) that imports the Triton packed in $1 before the image's: the
+# package unpacked once under /tmp, only its NVIDIA backend discovered (the image's entry points
+# name an AMD one the pack leaves out), and the image's CUDA ptxas for it (the pack has none).
+carried_triton() {
+    local dir="/tmp/carried_triton/$(basename "$1" .tar.xz)" ptxas
+    [ -f "$1" ] || { echo "no packed Triton at $1 (benchmarks/carry_triton.sh)" >&2; return 1; }
+    [ -d "$dir/triton" ] || { mkdir -p "$dir" && tar -C "$dir" -xJf "$1"; } || return 1
+    ptxas="$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)"
+    echo "PYTHONPATH=$dir:$PYTHONPATH TRITON_BACKENDS_IN_TREE=1 TRITON_PTXAS_PATH=$ptxas" \
+         "TRITON_PTXAS_BLACKWELL_PATH=$ptxas TRITON_DEFAULT_FP_FUSION=1"
+}
+if [ -n "${WITH_TRITON:-}" ]; then
+    settings="$(carried_triton "$WITH_TRITON")" || exit 1
+    export $settings
+fi
 mkdir -p "$out"
 [ $# -gt 0 ] || { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 2; }
 
@@ -138,6 +161,17 @@ run_stage() {
                        python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls"; \
                        pack_profiles $? stalls_shared ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
+        triton-versions) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
+                             --profile --out "$out/backward_image_triton.json" && \
+                         carried="$(carried_triton "${CARRIED_TRITON:-.carry/triton-3.9.0.tar.xz}")" && \
+                         env $carried python benchmarks/layer_backward.py \
+                             --cases dsv3_rank qwen3_rank dsv3_full qwen3_full --profile \
+                             --out "$out/backward_carried_triton.json" && \
+                         env $carried python benchmarks/layer_forward.py \
+                             --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
+                             --out "$out/forward_carried_triton.json" && \
+                         python benchmarks/layer_forward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
+                             --out "$out/forward_image_triton.json" ;;
         stalls) python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case qwen3_full --out "$out/stalls" && \
                     python benchmarks/stall_profile.py --case dsv3_rank --backward --out "$out/stalls"; \

@@ -5,7 +5,9 @@ machine code, every ptxas performance warning, and each loop that issues wgmma, 
 it keeps a wgmma in flight across iterations. The kernels are compiled from the same
 launchers the layer uses, with the GPU's compile-time constants (bf16 operands, the GPU
 router precision) and the launch's own specialization (16-byte aligned pointers are known
-to be), so the code is what the GPU would build; nothing runs. What ``--check`` fails on:
+to be), and ptxas runs with the flags the installed Triton gives it (recorded from Triton's own
+call, printed per kernel), so the code is what the GPU would build with this Triton; nothing
+runs. What ``--check`` fails on:
 
 * ptxas C7515: wgmma serialized because a non-wgmma instruction defines an accumulator
   register inside a pipeline stage. ptxas applies it to the whole function, and a persistent
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import contextlib
 import json
 import os
 import re
@@ -168,17 +171,45 @@ def code_bytes(cubin: str, kernel_name: str) -> int:
 _SASS_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
 
 
-def line_sass(ptx_path: str, tmp: str) -> str:
-    """The kernel's SASS with each instruction's innermost source line (``//## File`` lines):
-    ptxas compiles the PTX again with line information (the code is the same) and nvdisasm
-    disassembles it, inlined helpers included."""
-    tool = ptxas_tool().path
-    nvdisasm = os.path.join(os.path.dirname(tool), "nvdisasm")
+def line_sass(cubin: str) -> str:
+    """The SASS of ``cubin`` with each instruction's innermost source line (``//## File`` lines,
+    from the line information Triton has ptxas keep), inlined helpers included."""
+    nvdisasm = os.path.join(os.path.dirname(ptxas_tool().path), "nvdisasm")
     if not os.path.exists(nvdisasm):
-        raise RuntimeError(f"--spills and --sass-loops need nvdisasm beside {tool}")
-    cubin = os.path.join(tmp, "lines.cubin")
-    subprocess.run([tool, "-arch=sm_90a", "-lineinfo", ptx_path, "-o", cubin], check=True, capture_output=True)
+        raise RuntimeError(f"--spills and --sass-loops need nvdisasm beside {ptxas_tool().path}")
     return subprocess.run([nvdisasm, "-g", "-c", cubin], check=True, capture_output=True, text=True).stdout
+
+
+@contextlib.contextmanager
+def ptxas_flags_of_triton(tmp: str):
+    """Within the block, Triton's ptxas calls go through a wrapper that records their arguments,
+    and every compile runs ptxas (no cache); yields the list, filled with the last compile's
+    arguments once the block's compile has run. Triton's flags differ by release (3.9 adds
+    ``--regAllocOptLevel=2``), and ptxas run without them can make other code than the GPU runs."""
+    real = ptxas_tool().path
+    wrapper, recorded = os.path.join(tmp, "ptxas"), os.path.join(tmp, "ptxas.args")
+    with open(wrapper, "w") as f:
+        f.write(f'#!/bin/sh\ncase "$1" in --version) ;; *) printf "%s\\n" "$@" > "{recorded}" ;; esac\n'
+                f'exec "{real}" "$@"\n')
+    os.chmod(wrapper, 0o755)
+    names = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH", "TRITON_ALWAYS_COMPILE")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(TRITON_PTXAS_PATH=wrapper, TRITON_PTXAS_BLACKWELL_PATH=wrapper, TRITON_ALWAYS_COMPILE="1")
+    flags: list[str] = []
+    try:
+        yield flags
+        with open(recorded) as f:
+            argv = f.read().splitlines()
+        # Triton's call ends "SOURCE.ptx -o OUTPUT"; keep what comes before.
+        flags.extend(a for a in argv[:argv.index("-o") - 1] if a != "-suppress-debug-info")
+        if "-lineinfo" not in flags:
+            flags.append("-lineinfo")
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def spill_sites(sass: str, top: int) -> list[dict]:
@@ -283,24 +314,25 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, 
             isinstance(a, int) and not isinstance(a, bool) and not p.do_not_specialize and a % 16 == 0)
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 64), options=options)
-    if dump:
-        os.makedirs(dump, exist_ok=True)
-        for kind in ("ttgir", "ptx"):
-            with open(os.path.join(dump, f"{kernel.__name__}.{kind}"), "w") as f:
-                f.write(compiled.asm[kind])
     with tempfile.TemporaryDirectory() as tmp:
-        ptx = os.path.join(tmp, "kernel.ptx")
+        with ptxas_flags_of_triton(tmp) as flags:
+            compiled = triton.compile(ASTSource(kernel, signature, constexprs=constants, attrs=attrs),
+                                      target=GPUTarget("cuda", 90, 64), options=options)
+        if dump:
+            os.makedirs(dump, exist_ok=True)
+            for kind in ("ttgir", "ptx"):
+                with open(os.path.join(dump, f"{kernel.__name__}.{kind}"), "w") as f:
+                    f.write(compiled.asm[kind])
+        # ptxas again, with Triton's own flags, for its report (-v), which Triton does not keep.
+        ptx, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "k.cubin")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
-        done = subprocess.run([ptxas_tool().path, "-v", "-arch=sm_90a", ptx, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True)
+        done = subprocess.run([ptxas_tool().path, *flags, ptx, "-o", cubin], capture_output=True, text=True)
         text = done.stdout + done.stderr
         if done.returncode != 0:
             raise RuntimeError(f"ptxas failed:\n{text[-2000:]}")
-        code = code_bytes(os.path.join(tmp, "k.cubin"), compiled.metadata.name)
-        sass = line_sass(ptx, tmp) if spill_lines or loops else ""
+        code = code_bytes(cubin, compiled.metadata.name)
+        sass = line_sass(cubin) if spill_lines or loops else ""
         sites = spill_sites(sass, spill_lines) if spill_lines else []
         machine_loops = sass_loops(sass) if loops else []
 
@@ -312,6 +344,7 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, 
     registers = number(r"Used (\d+) registers")
     return {
         "registers": registers,
+        "ptxas_flags": flags,
         "warps": compiled.metadata.num_warps,
         "blocks_per_sm": sm90_blocks_per_sm(registers, compiled.metadata.shared, compiled.metadata.num_warps),
         "spill_stores": number(r"(\d+) bytes spill stores"),
@@ -445,6 +478,7 @@ def main() -> None:
         print(f"{name:9} {r['registers']} registers, spills {r['spill_stores']} B stored / "
               f"{r['spill_loads']} B loaded, shared {r['shared_bytes']} B, code {r['code_bytes']} B, "
               f"{r['warps']} warps: {r['blocks_per_sm']} per SM"
+              f"\n  ptxas {' '.join(r['ptxas_flags'])}"
               + "".join(f"\n  ptxas: {w}" for w in r["ptxas_warnings"]))
         for loop in r["wgmma_loops"]:
             print(f"  wgmma loop {loop['source']}: {loop['dots']} {loop['dtype']} dots, "

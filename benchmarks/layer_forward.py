@@ -20,11 +20,13 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import sys
 import time
 
 import torch
+import triton
 from torch import nn
 
 from common import AGREEMENT, disagreement, disagrees, require_cuda
@@ -336,7 +338,9 @@ def main() -> None:
     variants = TILE_VARIANTS if args.tiles else {"default": GPU_TILES}
     if args.variants:
         variants = {name: TILE_VARIANTS[name] for name in args.variants}
-    results = {"device": torch.cuda.get_device_name(), "ceilings": ceil, "cases": []}
+    log(f"torch {torch.__version__}, Triton {triton.__version__} ({os.path.dirname(triton.__file__)})")
+    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+               "ceilings": ceil, "cases": []}
     for name in args.cases:
         results["cases"].append(run_case(name, ceil, variants))
         if args.out:

@@ -125,13 +125,13 @@ def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
     }
     text = (ROOT / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
     stages = re.findall(r"^\s+[\w-]+\)\s+(python .*?;;)", text, re.M)
-    assert len(stages) == 21, stages
+    assert len(stages) == 22, stages
     commands = []
     for stage in stages:
         for part in re.split(r"&&|;", stage.split(";;")[0]):
             words = shlex.split(part)
-            while words and "=" in words[0]:  # an environment assignment before the command
-                words = words[1:]
+            if "python" in words:  # past environment assignments or `env SETTINGS` before it
+                words = words[words.index("python"):]
             if words and words[0] == "python":
                 commands.append(words)
     nodes = []
