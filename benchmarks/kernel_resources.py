@@ -41,8 +41,8 @@ runs. What ``--check`` fails on:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import json
 import os
 import re
