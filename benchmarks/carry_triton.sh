@@ -12,7 +12,7 @@
 # entry points, which name it, are not read), the profiler library, and the CUDA binaries;
 # gpu_session.sh points both of Triton's ptxas settings at the image's CUDA ptxas. That is not
 # always the ptxas the wheel brings for sm_90 (Triton 3.9 uses its CUDA 13.4 one, the image has
-# 13.0; offline, Triton 3.9 with 13.0 gave the backward's loops 1-4 instructions more a step).
+# 13.0; offline, Triton 3.9 with 13.0 gave the backward's loops 3-4 instructions more a step).
 # Then: `WITH_TRITON=.carry/triton-3.9.0.tar.xz bash benchmarks/gpu_session.sh STAGE`, or the
 # stage `triton-versions`, with `.carry` named in the device call's carry.
 set -euo pipefail
