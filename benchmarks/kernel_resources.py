@@ -184,8 +184,9 @@ def line_sass(cubin: str) -> str:
 def ptxas_flags_of_triton(tmp: str):
     """Within the block, Triton's ptxas calls go through a wrapper that records their arguments,
     and every compile runs ptxas (no cache); yields the list, filled with the last compile's
-    arguments once the block's compile has run. Triton's flags differ by release (3.9 adds
-    ``--regAllocOptLevel=2``), and ptxas run without them can make other code than the GPU runs."""
+    arguments once the block's compile has run. Triton's flags differ by release (3.8 and 3.9
+    add ``--regAllocOptLevel=2``), and ptxas run without them can make other code than the GPU
+    runs."""
     real = ptxas_tool().path
     wrapper, recorded = os.path.join(tmp, "ptxas"), os.path.join(tmp, "ptxas.args")
     with open(wrapper, "w") as f:
