@@ -68,6 +68,12 @@
 #                    then under the Triton packed in $CARRIED_TRITON (default
 #                    .carry/triton-3.9.0.tar.xz), then layer_forward.py under the carried one and
 #                    the image's: whether a newer Triton compiles faster kernels (stop 54)
+#   variants-tma-strip  layer_backward.py --profile on the four EP=1 cases, the default against
+#                    the dx and SwiGLU-backward operands by TMA (tile_tma) and 8 blocks a
+#                    weight-gradient task (strip8): both lost or barely paid under Triton 3.6,
+#                    and under 3.9 tile_tma's loops compile to a third fewer instructions (stop
+#                    54); meant to run with WITH_TRITON
+#   variants-tma-strip-reversed  the same unprofiled, cases and variants in the reverse order
 #
 # WITH_TRITON=.carry/triton-VERSION.tar.xz runs every stage under that Triton instead of the
 # image's (benchmarks/carry_triton.sh packs one; name .carry in the device call's carry).
@@ -161,6 +167,12 @@ run_stage() {
                        python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls"; \
                        pack_profiles $? stalls_shared ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
+        variants-tma-strip) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
+                                --profile --out "$out/variants_tma_strip.json" --variants default tile_tma strip8 ;;
+        variants-tma-strip-reversed) python benchmarks/layer_backward.py \
+                                         --cases qwen3_full dsv3_full qwen3_rank dsv3_rank \
+                                         --out "$out/variants_tma_strip_reversed.json" \
+                                         --variants strip8 tile_tma default ;;
         triton-versions) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                              --profile --out "$out/backward_image_triton.json" && \
                          carried="$(carried_triton "${CARRIED_TRITON:-.carry/triton-3.9.0.tar.xz}")" && \
