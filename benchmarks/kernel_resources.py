@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 # `kosmos_moe` from the repository root without PYTHONPATH, as the other scripts get it from common.py.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -193,24 +194,16 @@ def ptxas_flags_of_triton(tmp: str):
         f.write(f'#!/bin/sh\ncase "$1" in --version) ;; *) printf "%s\\n" "$@" > "{recorded}" ;; esac\n'
                 f'exec "{real}" "$@"\n')
     os.chmod(wrapper, 0o755)
-    names = ("TRITON_PTXAS_PATH", "TRITON_PTXAS_BLACKWELL_PATH", "TRITON_ALWAYS_COMPILE")
-    saved = {name: os.environ.get(name) for name in names}
-    os.environ.update(TRITON_PTXAS_PATH=wrapper, TRITON_PTXAS_BLACKWELL_PATH=wrapper, TRITON_ALWAYS_COMPILE="1")
     flags: list[str] = []
-    try:
+    with mock.patch.dict(os.environ, TRITON_PTXAS_PATH=wrapper, TRITON_PTXAS_BLACKWELL_PATH=wrapper,
+                         TRITON_ALWAYS_COMPILE="1"):
         yield flags
-        with open(recorded) as f:
-            argv = f.read().splitlines()
-        # Triton's call ends "SOURCE.ptx -o OUTPUT"; keep what comes before.
-        flags.extend(a for a in argv[:argv.index("-o") - 1] if a != "-suppress-debug-info")
-        if "-lineinfo" not in flags:
-            flags.append("-lineinfo")
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with open(recorded) as f:
+        argv = f.read().splitlines()
+    # Triton's call ends "SOURCE.ptx -o OUTPUT"; keep what comes before.
+    flags.extend(a for a in argv[:argv.index("-o") - 1] if a != "-suppress-debug-info")
+    if "-lineinfo" not in flags:
+        flags.append("-lineinfo")
 
 
 def spill_sites(sass: str, top: int) -> list[dict]:
