@@ -175,7 +175,8 @@ def environment(device: torch.device) -> dict:
 
     env = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "world_size": dist.get_world_size(), "torch": torch.__version__, "triton": triton.__version__,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1, "torch": torch.__version__,
+        "triton": triton.__version__, "triton_path": os.path.dirname(triton.__file__),
         "cuda": torch.version.cuda, "python": platform.python_version(),
         "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
     }

@@ -20,14 +20,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import time
 
 import torch
-import triton
 from torch import nn
 
-from common import AGREEMENT, disagreement, disagrees, require_cuda
+from common import AGREEMENT, disagreement, disagrees, environment, require_cuda
 from layer_forward import CASES, TOKENS, WRONG, ceilings, describe_task_times, exit_if_wrong, log, task_times, timed, work
 
 from kosmos_moe import ExpertLayer
@@ -303,9 +301,9 @@ def main() -> None:
                  "benchmarks/kernel_resources.py compiles the kernels' tile variants for sm_90 without one")
     ceil = ceilings()
     log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
-    log(f"torch {torch.__version__}, Triton {triton.__version__} ({os.path.dirname(triton.__file__)})")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "ceilings": ceil, "cases": []}
+    env = environment(torch.device("cuda"))
+    log(f"torch {env['torch']}, Triton {env['triton']} ({env['triton_path']})")
+    results = {"device": env["device"], "environment": env, "ceilings": ceil, "cases": []}
     for name in args.cases:
         for variant in args.variants:
             failed = None

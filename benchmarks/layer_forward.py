@@ -20,16 +20,14 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
-import triton
 from torch import nn
 
-from common import AGREEMENT, disagreement, disagrees, require_cuda
+from common import AGREEMENT, disagreement, disagrees, environment, require_cuda
 
 from kosmos_moe import ExpertLayer
 from kosmos_moe.config import DEEPSEEK_V3, QWEN3_235B, MoEConfig
@@ -338,9 +336,9 @@ def main() -> None:
     variants = TILE_VARIANTS if args.tiles else {"default": GPU_TILES}
     if args.variants:
         variants = {name: TILE_VARIANTS[name] for name in args.variants}
-    log(f"torch {torch.__version__}, Triton {triton.__version__} ({os.path.dirname(triton.__file__)})")
-    results = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-               "ceilings": ceil, "cases": []}
+    env = environment(torch.device("cuda"))
+    log(f"torch {env['torch']}, Triton {env['triton']} ({env['triton_path']})")
+    results = {"device": env["device"], "environment": env, "ceilings": ceil, "cases": []}
     for name in args.cases:
         results["cases"].append(run_case(name, ceil, variants))
         if args.out:
