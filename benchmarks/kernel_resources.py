@@ -63,6 +63,7 @@ os.environ["TRITON_INTERPRET"] = "0"
 from kosmos_moe.kernels import expert_backward, expert_forward  # noqa: E402
 import gemm_tiles  # noqa: E402  (its plain-grid kernels, compiled too)
 from layer_forward import CASES as LAYER_CASES, ONE_RANK_CASES, case_config  # noqa: E402
+from kosmos_moe.workspace import COMPILE_OPTIONS  # noqa: E402
 
 os.environ["TRITON_INTERPRET"] = "1"
 
@@ -292,7 +293,7 @@ def compile_sm90(kernel, args: tuple, constants: dict, dump: str | None = None, 
     with ``spill_lines``, that many source lines with the most spill instructions; with
     ``loops``, the SASS of each innermost wgmma loop, :func:`sass_loops`)."""
     constants = dict(constants)
-    options = {"num_warps": constants.pop("num_warps")}  # as launched: no other compile option
+    options = {k: constants.pop(k) for k in COMPILE_OPTIONS if k in constants}  # as launched
     signature = {name: mangle_type(a) for name, a in zip(kernel.arg_names, args)}
     signature.update({name: "constexpr" for name in constants})
     for p in kernel.params[len(args):]:  # constexprs left at their defaults

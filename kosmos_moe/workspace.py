@@ -27,6 +27,12 @@ from .config import MoEConfig
 
 _ALIGN = 256
 
+# Triton compile options among the kernels' launch keywords (the rest are tile constants).
+# FP fusion (``a * b + c`` as one FMA) is asked for, not left to Triton's default: Triton 3.9
+# warns that the default turns to off in 3.10, and every timing and tolerance here was
+# measured with it on.
+COMPILE_OPTIONS = {"num_warps", "enable_fp_fusion"}
+
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
@@ -197,8 +203,8 @@ class Tiles:
 
     def kernel_constants(self, local_experts: int) -> dict:
         """The forward kernel's tile constants for a rank of ``local_experts`` experts
-        (``num_warps`` included; ``TMA`` and the row alignment hint depend on the call and are
-        the launcher's)."""
+        (the :data:`COMPILE_OPTIONS` included; ``TMA`` and the row alignment hint depend on the call
+        and are the launcher's)."""
         gate_up_stages = self.many_experts_stages if local_experts >= self.many_experts_from else self.stages
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, R_STAGES=self.route_stages, BR=self.dispatch_rows,
@@ -206,7 +212,7 @@ class Tiles:
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=gate_up_stages, DN_STAGES=self.down_stages,
             GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
             MERGED_LOOKUP=local_experts >= self.merged_lookup_from, GU_CLAIM_AHEAD=self.gate_up_claim_ahead,
-            num_warps=self.warps,
+            num_warps=self.warps, enable_fp_fusion=True,
         )
 
 
@@ -445,7 +451,7 @@ class BackwardTiles:
                 f"swiglu_cols={self.swiglu_cols} must be a multiple of recompute_cols={self.recompute_cols}")
 
     def kernel_constants(self) -> dict:
-        """The backward kernel's tile constants (``num_warps`` included)."""
+        """The backward kernel's tile constants (the :data:`COMPILE_OPTIONS` included)."""
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols,
             BM=self.rows, BN_DH=self.swiglu_cols, BN_EPI=self.swiglu_epilogue_cols, BN_RC=self.recompute_cols,
@@ -454,7 +460,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps,
+            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps, enable_fp_fusion=True,
         )
 
 
