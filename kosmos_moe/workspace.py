@@ -29,7 +29,7 @@ _ALIGN = 256
 
 # Triton compile options among the kernels' launch keywords (the rest are tile constants).
 # FP fusion (``a * b + c`` as one FMA) is asked for, not left to Triton's default: Triton 3.9
-# warns that the default turns to off in 3.10, and every timing and tolerance here was
+# warns that the default turns off in 3.10, and every timing and tolerance here was
 # measured with it on.
 COMPILE_OPTIONS = {"num_warps", "enable_fp_fusion"}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kosmos_moe.workspace import COMPILE_OPTIONS, GPU_TILES, BackwardTiles
+from kosmos_moe.workspace import COMPILE_OPTIONS, GPU_BACKWARD_TILES, GPU_TILES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -51,7 +51,7 @@ def _ptx(tmp_path: Path, options: dict) -> str:
 
 
 def test_launch_keywords_ask_for_fp_fusion():
-    for constants in (GPU_TILES.kernel_constants(local_experts=32), BackwardTiles().kernel_constants()):
+    for constants in (GPU_TILES.kernel_constants(local_experts=32), GPU_BACKWARD_TILES.kernel_constants()):
         assert constants["enable_fp_fusion"] is True
         assert COMPILE_OPTIONS <= constants.keys()
 
