@@ -25,8 +25,9 @@ import time
 import torch
 from torch import nn
 
-from common import AGREEMENT, disagreement, disagrees, environment, require_cuda
-from layer_forward import CASES, TOKENS, WRONG, ceilings, describe_task_times, exit_if_wrong, log, task_times, timed, work
+from common import AGREEMENT, disagreement, disagrees, require_cuda
+from layer_forward import (CASES, TOKENS, WRONG, describe_task_times, exit_if_wrong, log, new_results, task_times, timed,
+                           work)
 
 from kosmos_moe import ExpertLayer
 from kosmos_moe.activation_memory import saved_bytes
@@ -299,11 +300,8 @@ def main() -> None:
     EmulatedWorld.set_environment()  # before CUDA starts: require_cuda's device query reads CUDA_MODULE_LOADING
     require_cuda("layer_backward.py",
                  "benchmarks/kernel_resources.py compiles the kernels' tile variants for sm_90 without one")
-    ceil = ceilings()
-    log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
-    env = environment(torch.device("cuda"))
-    log(f"torch {env['torch']}, Triton {env['triton']} ({env['triton_path']})")
-    results = {"device": env["device"], "environment": env, "ceilings": ceil, "cases": []}
+    results = new_results()
+    ceil = results["ceilings"]
     for name in args.cases:
         for variant in args.variants:
             failed = None

@@ -320,6 +320,16 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
     return result
 
 
+def new_results() -> dict:
+    """The results of a run before its cases: the device, the software it ran under and both
+    ceilings, measured now (logged as they are found)."""
+    ceil = ceilings()
+    log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
+    env = environment(torch.device("cuda"))
+    log(f"torch {env['torch']}, Triton {env['triton']} ({env['triton_path']})")
+    return {"device": env["device"], "environment": env, "ceilings": ceil, "cases": []}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=list(CASES), choices=list(CASES))
@@ -331,14 +341,11 @@ def main() -> None:
     EmulatedWorld.set_environment()  # before CUDA starts: require_cuda's device query reads CUDA_MODULE_LOADING
     require_cuda("layer_forward.py",
                  "benchmarks/kernel_resources.py compiles the kernels' tile variants for sm_90 without one")
-    ceil = ceilings()
-    log(f"ceilings: dense bf16 matmul {ceil['dense_tflops']:.0f} TFLOP/s, copy {ceil['copy_gbps']:.0f} GB/s")
+    results = new_results()
+    ceil = results["ceilings"]
     variants = TILE_VARIANTS if args.tiles else {"default": GPU_TILES}
     if args.variants:
         variants = {name: TILE_VARIANTS[name] for name in args.variants}
-    env = environment(torch.device("cuda"))
-    log(f"torch {env['torch']}, Triton {env['triton']} ({env['triton_path']})")
-    results = {"device": env["device"], "environment": env, "ceilings": ceil, "cases": []}
     for name in args.cases:
         results["cases"].append(run_case(name, ceil, variants))
         if args.out:

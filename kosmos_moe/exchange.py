@@ -22,6 +22,7 @@ import torch
 from .config import MoEConfig
 from .fabric import Fabric
 from .fused import FusedBackward, _HostRecords
+from .workspace import PINNED_OPTIONS
 
 
 @dataclass
@@ -162,7 +163,7 @@ class ExpertExchange:
             B_RECV_W=lay.bytes["recv_w"], B_COMB=lay.bytes["comb"],
             BM=t.dispatch_rows, BH=t.dispatch_cols, BTF=t.fold_tokens, BHF=t.fold_cols,
             W_PAD=consts["W_PAD"], EL_PAD=consts["EL_PAD"], K_PAD=consts["K_PAD"],
-            SCOPE=self.fabric.signal_scope, WEIGHTED=weighted, num_warps=t.warps, enable_fp_fusion=True,
+            SCOPE=self.fabric.signal_scope, WEIGHTED=weighted, num_warps=t.warps, **PINNED_OPTIONS,
         )
         launch._watch()
         return out[:n]

@@ -27,11 +27,12 @@ from .config import MoEConfig
 
 _ALIGN = 256
 
+# Compile options every kernel launch passes, not left to Triton's defaults. FP fusion
+# (``a * b + c`` as one FMA): Triton 3.9 warns that its default turns off in 3.10, and every
+# timing and tolerance here was measured with it on.
+PINNED_OPTIONS = {"enable_fp_fusion": True}
 # Triton compile options among the kernels' launch keywords (the rest are tile constants).
-# FP fusion (``a * b + c`` as one FMA) is asked for, not left to Triton's default: Triton 3.9
-# warns that the default turns off in 3.10, and every timing and tolerance here was
-# measured with it on.
-COMPILE_OPTIONS = {"num_warps", "enable_fp_fusion"}
+COMPILE_OPTIONS = {"num_warps", *PINNED_OPTIONS}
 
 
 def _round_up(n: int, to: int) -> int:
@@ -212,7 +213,7 @@ class Tiles:
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=gate_up_stages, DN_STAGES=self.down_stages,
             GU_ONE_DOT=self.gate_up_one_dot, HELD_CHUNK_FIRST=self.held_chunk_first,
             MERGED_LOOKUP=local_experts >= self.merged_lookup_from, GU_CLAIM_AHEAD=self.gate_up_claim_ahead,
-            num_warps=self.warps, enable_fp_fusion=True,
+            num_warps=self.warps, **PINNED_OPTIONS,
         )
 
 
@@ -460,7 +461,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps, enable_fp_fusion=True,
+            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps, **PINNED_OPTIONS,
         )
 
 
