@@ -66,6 +66,8 @@ VARIANTS = {
     # backward but took as long; strip8 was 2% faster at Qwen3 16 experts, 1% at 128, 0.8%
     # slower at DeepSeek-V3 256 and even at 32 (BackwardTiles.wgrad_strip).
     "strip8": _backward_tiles(wgrad_strip=8),
+    # 16 blocks a task at every width (the default until stop 56; now 8 where 16 hold a whole row).
+    "strip16": _backward_tiles(wgrad_split_whole_rows=False),
     "strip4": _backward_tiles(wgrad_strip=4),
     "rows64": _backward_tiles(rows=64),
     "dx_stages3": _backward_tiles(dx_stages=3),

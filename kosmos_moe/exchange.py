@@ -116,7 +116,7 @@ class ExpertExchange:
         expert_backward_kernel[(launch.workers,)](
             x.contiguous(), x, x, top_e, top_w, top_w, n, x, top_e, 0, dummy, 1.0, dummy, dummy, dummy, dummy, dummy,
             launch.workspace.peers, self.fabric.rank, launch.wait_bound, dummy,
-            **consts, **t.kernel_constants(), PROFILE=False, MODE=1,
+            **consts, **t.kernel_constants(c.hidden_size), PROFILE=False, MODE=1,
         )
         launch._watch()
         self._calls += 1

@@ -905,7 +905,7 @@ class FusedBackward(_PersistentLaunch):
             self.profile if self.profile is not None else self.workspace.peers,
         )
         kwargs = dict(
-            **self._common_constexprs(tokens.dtype, on_gpu), **t.kernel_constants(),
+            **self._common_constexprs(tokens.dtype, on_gpu), **t.kernel_constants(c.hidden_size),
             PROFILE=self.profile is not None, SAVED=self.saved,
         )
         return expert_backward_kernel, args, kwargs

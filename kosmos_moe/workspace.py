@@ -390,6 +390,15 @@ class BackwardTiles:
     # against 16.1 in the DeepSeek-V3 32-expert backward (stall_profile.py), its weight
     # gradients as long (4.97 ms busy per worker): those loops wait on latency, not DRAM bytes.
     wgrad_strip: int = 16
+    # Where one strip would hold a whole row of dW[g;u] (hidden <= wgrad_strip * wgrad_cols, as
+    # Qwen3's 4096 columns in 16 blocks), it holds half the row instead (wgrad_strip_for). Found
+    # on the four benchmark cases only: 8 blocks gained at Qwen3 (hidden 4096) and tied or lost
+    # at DeepSeek-V3 (7168, 28 blocks, strips of 16 + 12). H100 80GB, Triton 3.9, stop 56,
+    # forward+backward ms, 16 / 8, one process each order (layer_backward.py variant strip8):
+    # Qwen3 16 experts 7.49 / 7.30 and 7.48 / 7.32, Qwen3 128 10.54 / 10.56 and 10.62 / 10.53,
+    # DeepSeek-V3 32 17.68 / 17.69 and 17.82 / 17.75, DeepSeek-V3 256 34.67 / 34.85 and 34.67 /
+    # 34.87 (stop 50, Triton 3.6, above: the same pattern). Variant strip16 turns it off.
+    wgrad_split_whole_rows: bool = True
     # Pipeline stages of the weight-gradient strips (both gradients share one loop, so one set
     # of buffers, 48 KB per stage at 128 x 256): with the flat strip loop 4 needed 229 KB of
     # shared memory, over sm_90's 227; with a loop per block the kernel takes 196,640 B. H100
@@ -451,13 +460,21 @@ class BackwardTiles:
             raise ValueError(
                 f"swiglu_cols={self.swiglu_cols} must be a multiple of recompute_cols={self.recompute_cols}")
 
-    def kernel_constants(self) -> dict:
-        """The backward kernel's tile constants (the :data:`COMPILE_OPTIONS` included)."""
+    def wgrad_strip_for(self, hidden: int) -> int:
+        """Column blocks per weight-gradient task (``WS``) for a layer of ``hidden`` columns."""
+        row_blocks = -(-hidden // self.wgrad_cols)
+        if self.wgrad_split_whole_rows and row_blocks <= self.wgrad_strip:
+            return max(1, -(-row_blocks // 2))
+        return self.wgrad_strip
+
+    def kernel_constants(self, hidden: int) -> dict:
+        """The backward kernel's tile constants for a layer of ``hidden`` columns (the
+        :data:`COMPILE_OPTIONS` included)."""
         return dict(
             BT=self.route_tokens, BK_R=self.route_depth, BR=self.dispatch_rows, BH=self.dispatch_cols,
             BM=self.rows, BN_DH=self.swiglu_cols, BN_EPI=self.swiglu_epilogue_cols, BN_RC=self.recompute_cols,
             BN_DX=self.dx_cols, BK=self.depth,
-            BKW=self.wgrad_depth, BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip,
+            BKW=self.wgrad_depth, BWM=self.wgrad_rows, BWN=self.wgrad_cols, WS=self.wgrad_strip_for(hidden),
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
@@ -466,13 +483,14 @@ class BackwardTiles:
 
 
 GPU_BACKWARD_TILES = BackwardTiles()
-# Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run.
+# Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run
+# (not halved where 2 blocks are a whole row: wgrad_strip_for has its own test).
 # The SwiGLU-backward epilogue in quarters, as the GPU's 256-column tiles.
 INTERPRETER_BACKWARD_TILES = BackwardTiles(
     route_tokens=16, route_depth=16, route_cols=16, route_stages=1, dispatch_rows=16, dispatch_cols=32, rows=16,
     swiglu_cols=32, swiglu_epilogue_cols=8, recompute_cols=16, dx_cols=16, depth=16, wgrad_depth=16,
     wgrad_rows=16, wgrad_cols=16, router_grad_rows=16, router_grad_cols=16, router_grad_depth=16, fold_tokens=16,
-    fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2, wgrad_stages=1,
+    fold_cols=32, stages=1, warps=1, dx_stages=1, wgrad_strip=2, wgrad_split_whole_rows=False, wgrad_stages=1,
 )
 
 

@@ -51,7 +51,7 @@ def _ptx(tmp_path: Path, options: dict) -> str:
 
 
 def test_launch_keywords_ask_for_fp_fusion():
-    for constants in (GPU_TILES.kernel_constants(local_experts=32), GPU_BACKWARD_TILES.kernel_constants()):
+    for constants in (GPU_TILES.kernel_constants(local_experts=32), GPU_BACKWARD_TILES.kernel_constants(hidden=7168)):
         assert constants["enable_fp_fusion"] is True
         assert COMPILE_OPTIONS <= constants.keys()
 
