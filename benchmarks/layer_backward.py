@@ -64,7 +64,8 @@ VARIANTS = {
     # fewer of the row blocks that every task rereads for each of its blocks are in use at once.
     # Stop 50 (H100 80GB): strip4 read 4.6 GB less from DRAM in the DeepSeek-V3 32-expert
     # backward but took as long; strip8 was 2% faster at Qwen3 16 experts, 1% at 128, 0.8%
-    # slower at DeepSeek-V3 256 and even at 32 (BackwardTiles.wgrad_strip).
+    # slower at DeepSeek-V3 256 and even at 32 (BackwardTiles.wgrad_strip). Since stop 56 the
+    # default holds 8 where 16 would be a whole row (Qwen3), so strip8 differs at DeepSeek-V3 only.
     "strip8": _backward_tiles(wgrad_strip=8),
     # 16 blocks a task at every width (the default until stop 56; now 8 where 16 hold a whole row).
     "strip16": _backward_tiles(wgrad_split_whole_rows=False),
