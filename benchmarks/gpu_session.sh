@@ -73,7 +73,11 @@
 #                    weight-gradient task (strip8): both lost or barely paid under Triton 3.6,
 #                    and under 3.9 tile_tma's loops compile to a third fewer instructions (stop
 #                    54); meant to run with WITH_TRITON
-#   variants-tma-strip-reversed  the same unprofiled, cases and variants in the reverse order
+#   variants-strip-rule  layer_backward.py unprofiled on the four EP=1 cases, the default (since
+#                    stop 56 a weight-gradient task holds half a dW[g;u] row where 16 blocks would
+#                    hold all of it: 8 at Qwen3) against 16 blocks everywhere (strip16) and the
+#                    blocks stored by TMA in 3 stages (wgrad_tma_store, untimed under Triton 3.9),
+#                    then cases and variants in the reverse order
 #
 # WITH_TRITON=.carry/triton-VERSION.tar.xz runs every stage under that Triton instead of the
 # image's (benchmarks/carry_triton.sh packs one; name .carry in the device call's carry).
@@ -169,10 +173,11 @@ run_stage() {
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         variants-tma-strip) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                                 --profile --out "$out/variants_tma_strip.json" --variants default tile_tma strip8 ;;
-        variants-tma-strip-reversed) python benchmarks/layer_backward.py \
-                                         --cases qwen3_full dsv3_full qwen3_rank dsv3_rank \
-                                         --out "$out/variants_tma_strip_reversed.json" \
-                                         --variants strip8 tile_tma default ;;
+        variants-strip-rule) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
+                                 --out "$out/variants_strip_rule.json" --variants default strip16 wgrad_tma_store && \
+                             python benchmarks/layer_backward.py --cases qwen3_full dsv3_full qwen3_rank dsv3_rank \
+                                 --out "$out/variants_strip_rule_reversed.json" \
+                                 --variants wgrad_tma_store strip16 default ;;
         triton-versions) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                              --profile --out "$out/backward_image_triton.json" && \
                          carried="$(carried_triton "${CARRIED_TRITON:-.carry/triton-3.9.0.tar.xz}")" && \
