@@ -461,10 +461,11 @@ class BackwardTiles:
                 f"swiglu_cols={self.swiglu_cols} must be a multiple of recompute_cols={self.recompute_cols}")
 
     def wgrad_strip_for(self, hidden: int) -> int:
-        """Column blocks per weight-gradient task (``WS``) for a layer of ``hidden`` columns."""
-        row_blocks = -(-hidden // self.wgrad_cols)
-        if self.wgrad_split_whole_rows and row_blocks <= self.wgrad_strip:
-            return max(1, -(-row_blocks // 2))
+        """Column blocks per weight-gradient task (``WS``) for a layer of ``hidden`` columns: the
+        width of a dW[g;u] row. dWd's rows (the intermediate size wide) take the same strips."""
+        blocks_per_row = -(-hidden // self.wgrad_cols)
+        if self.wgrad_split_whole_rows and blocks_per_row <= self.wgrad_strip:
+            return max(1, -(-blocks_per_row // 2))
         return self.wgrad_strip
 
     def kernel_constants(self, hidden: int) -> dict:

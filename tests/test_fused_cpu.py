@@ -191,7 +191,6 @@ def test_bad_tile_sizes_are_refused():
     replace(INTERPRETER_TILES, many_experts_from=100, merged_lookup_from=0)  # thresholds neither
 
 
-
 def test_weight_gradient_strips_halve_whole_rows():
     # One strip would be a whole dW[g;u] row at Qwen3's 16 column blocks, not at DeepSeek-V3's 28.
     from kosmos_moe.workspace import GPU_BACKWARD_TILES
@@ -201,6 +200,7 @@ def test_weight_gradient_strips_halve_whole_rows():
     assert [t.wgrad_strip_for(h) for h in (7168, 4097, 4096, 1544, 256, 1)] == [16, 16, 8, 4, 1, 1]
     assert replace(t, wgrad_split_whole_rows=False).wgrad_strip_for(4096) == 16
     assert t.kernel_constants(hidden=4096)["WS"] == 8 and t.kernel_constants(hidden=7168)["WS"] == 16
+
 
 def check_cpu_needs_interpreter(rank, world):
     layer = ExpertLayer(16, 16, 4, 2, backend="kosmos", max_tokens_per_rank=8)
