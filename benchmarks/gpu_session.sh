@@ -58,6 +58,10 @@
 #   stalls-shared    stall_profile.py on the forward at DeepSeek-V3 32 experts without its shared
 #                    expert, then with it: whether the shared tiles, which run only when no
 #                    routed task is ready, account for the reads beyond each buffer once
+#   stalls-backward-full  stall_profile.py on the backward at Qwen3 128 and DeepSeek-V3 256 experts,
+#                    the two forward+backward cases below 1.4x: whether L2 (as in the Qwen3
+#                    128-expert forward, stop 51: 93% of its throughput) or DRAM bounds them,
+#                    packed as stalls_backward_full.tgz
 #   tiles            gemm_tiles.py: the tile GEMMs and weight-gradient strips on their own
 #   stalls           stall_profile.py under Nsight Compute: the forward at DeepSeek-V3 32 and
 #                    Qwen3 128 experts, the backward at DeepSeek-V3 32, packed as stalls.tgz (a
@@ -170,6 +174,9 @@ run_stage() {
         stalls-shared) python benchmarks/stall_profile.py --case dsv3_rank --no-shared --out "$out/stalls" && \
                        python benchmarks/stall_profile.py --case dsv3_rank --out "$out/stalls"; \
                        pack_profiles $? stalls_shared ;;
+        stalls-backward-full) python benchmarks/stall_profile.py --case qwen3_full --backward --out "$out/stalls" && \
+                              python benchmarks/stall_profile.py --case dsv3_full --backward --out "$out/stalls"; \
+                              pack_profiles $? stalls_backward_full ;;
         tiles) python benchmarks/gemm_tiles.py --out "$out/tiles.json" ;;
         variants-tma-strip) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                                 --profile --out "$out/variants_tma_strip.json" --variants default tile_tma strip8 ;;
