@@ -67,7 +67,7 @@ VARIANTS = {
     # slower at DeepSeek-V3 256 and even at 32 (BackwardTiles.wgrad_strip). Since stop 56 the
     # default holds 8 where 16 would be a whole row (Qwen3), so strip8 differs at DeepSeek-V3 only.
     "strip8": _backward_tiles(wgrad_strip=8),
-    # 16 blocks a task at every width (the default until stop 56; now 8 where 16 hold a whole row).
+    # 16 blocks a task at every width: the default until stop 56.
     "strip16": _backward_tiles(wgrad_split_whole_rows=False),
     "strip4": _backward_tiles(wgrad_strip=4),
     "rows64": _backward_tiles(rows=64),

@@ -465,7 +465,7 @@ class BackwardTiles:
         width of a dW[g;u] row. dWd's rows (the intermediate size wide) take the same strips."""
         blocks_per_row = -(-hidden // self.wgrad_cols)
         if self.wgrad_split_whole_rows and blocks_per_row <= self.wgrad_strip:
-            return max(1, -(-blocks_per_row // 2))
+            return -(-blocks_per_row // 2)  # >= 1: MoEConfig refuses a hidden size below 1
         return self.wgrad_strip
 
     def kernel_constants(self, hidden: int) -> dict:
