@@ -86,6 +86,12 @@ VARIANTS = {
     # Weight-gradient blocks stored by TMA: its staging tile leaves room for 3 stages only
     # (213,016 B of shared memory; 262,176 with 4).
     "wgrad_tma_store": _backward_tiles(wgrad_tma_store=True, wgrad_stages=3),
+    # The same stores beside 32-row steps, whose stages (24 KB) leave room for 6 (213,040 B):
+    # the blocks' fill waits for half the bytes and the store leaves the loop's path (stop 42:
+    # time after the loops 3.21 against 1.00 ms at 256 experts, but 3 stages slowed the loops).
+    "wgrad_k32_tma_store": _backward_tiles(wgrad_tma_store=True, wgrad_depth=32, wgrad_stages=6),
+    # 32-row steps, 8 stages, stored by pointer: the shorter fill alone.
+    "wgrad_k32_stages8": _backward_tiles(wgrad_depth=32, wgrad_stages=8),
     # The tiles of stop 33: one flat loop per weight-gradient strip, beside which 256-column
     # dx and SwiGLU-backward tiles do not compile without C7512 (offline sm_90, Triton 3.6),
     # and 64 x 64 router-gradient tiles.
