@@ -82,6 +82,11 @@
 #                    hold all of it: 8 at Qwen3) against 16 blocks everywhere (strip16) and the
 #                    blocks stored by TMA in 3 stages (wgrad_tma_store, untimed under Triton 3.9),
 #                    then cases and variants in the reverse order
+#   variants-k32     layer_backward.py unprofiled on the four EP=1 cases, the default against
+#                    32-row weight-gradient steps in 6 stages with the blocks stored by TMA
+#                    (wgrad_k32_tma_store; 64-row steps leave that store 3) and in 8 stages
+#                    stored by pointer (wgrad_k32_stages8), then in the reverse order; meant to
+#                    run with WITH_TRITON
 #
 # WITH_TRITON=.carry/triton-VERSION.tar.xz runs every stage under that Triton instead of the
 # image's (benchmarks/carry_triton.sh packs one; name .carry in the device call's carry).
@@ -185,6 +190,11 @@ run_stage() {
                              python benchmarks/layer_backward.py --cases qwen3_full dsv3_full qwen3_rank dsv3_rank \
                                  --out "$out/variants_strip_rule_reversed.json" \
                                  --variants wgrad_tma_store strip16 default ;;
+        variants-k32) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
+                          --out "$out/variants_k32.json" --variants default wgrad_k32_tma_store wgrad_k32_stages8 && \
+                      python benchmarks/layer_backward.py --cases qwen3_full dsv3_full qwen3_rank dsv3_rank \
+                          --out "$out/variants_k32_reversed.json" \
+                          --variants wgrad_k32_stages8 wgrad_k32_tma_store default ;;
         triton-versions) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                              --profile --out "$out/backward_image_triton.json" && \
                          carried="$(carried_triton "${CARRIED_TRITON:-.carry/triton-3.9.0.tar.xz}")" && \
