@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from fused_cases import CASES, assert_skew_took, build, tokens
 from kosmos_moe import ExpertLayer
-from kosmos_moe.workspace import INTERPRETER_TILES, BackwardTiles
+from kosmos_moe.workspace import GPU_BACKWARD_TILES, INTERPRETER_TILES, BackwardTiles
 from multiprocess import INTERPRET, run_world
 
 
@@ -193,8 +193,6 @@ def test_bad_tile_sizes_are_refused():
 
 def test_weight_gradient_strips_halve_whole_rows():
     # One strip would be a whole dW[g;u] row at Qwen3's 16 column blocks, not at DeepSeek-V3's 28.
-    from kosmos_moe.workspace import GPU_BACKWARD_TILES
-
     t = GPU_BACKWARD_TILES
     assert (t.wgrad_cols, t.wgrad_strip) == (256, 16)
     assert [t.wgrad_strip_for(h) for h in (7168, 4097, 4096, 1544, 256, 1)] == [16, 16, 8, 4, 1, 1]
