@@ -110,8 +110,6 @@ VARIANTS = {
     # The weight-gradient blocks stored without the L2 evict-first policy (the default until
     # stop 42).
     "wgrad_keep_in_l2": _backward_tiles(wgrad_evict_first=False),
-    # dWd's last round of strips kept whole (BackwardTiles.wgrad_tail_blocks off).
-    "no_wgrad_tail": _backward_tiles(wgrad_tail_blocks=False),
 }
 
 

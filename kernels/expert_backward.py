@@ -41,8 +41,7 @@ FEED      claimed without a readiness check, in order: layout tiles (histogram o
           through rows, and gathered row reads there (an index load feeding each step's
           addresses) kept the compiler from pipelining the loop (sm_90 TTGIR: a full wait on
           every copy each step).
-DWGU, DWD (local expert, row block, strip of ``WS`` column blocks) of ``dW[g;u]`` and ``dWd``
-          (with ``WG_TAIL``, dWd's last rows one column block a ticket):
+DWGU, DWD (local expert, row block, strip of ``WS`` column blocks) of ``dW[g;u]`` and ``dWd``:
           each output tile reduces over all of the expert's rows in slot order
           (deterministic, no atomics); a strip is one flat pipelined loop, its operands read
           by TMA where the launcher allows (``WG_TMA``: descriptors over the expert's rows,
@@ -251,7 +250,7 @@ def expert_backward_kernel(
     DOT_DTYPE: tl.constexpr, SCOPE: tl.constexpr, PROFILE: tl.constexpr, MODE: tl.constexpr = 0,
     SAVED: tl.constexpr = 0, WG_TMA: tl.constexpr = False, TILE_TMA: tl.constexpr = False,
     PROXY_FENCE: tl.constexpr = False, WG_TMA_STORE: tl.constexpr = False, WG_BLOCK_LOOPS: tl.constexpr = False,
-    WG_EVICT_FIRST: tl.constexpr = False, WG_TAIL: tl.constexpr = False,
+    WG_EVICT_FIRST: tl.constexpr = False,
 ):
     DT = x_ptr.dtype.element_ty
     SLOTS: tl.constexpr = TOP_K + 1                  # the router's part of grad_x is slot TOP_K
@@ -271,7 +270,7 @@ def expert_backward_kernel(
     N_WGU_S: tl.constexpr = (N_WGU_N + WS - 1) // WS   # strips of WS column blocks per task
     N_WD_S: tl.constexpr = (N_WD_N + WS - 1) // WS
     n_dwgu = E_L * N_WGU_M * N_WGU_S
-    N_WD_ROWS: tl.constexpr = E_L * N_WD_M
+    n_dwd = E_L * N_WD_M * N_WD_S
     n_dwr = N_WR_M * N_WR_N
 
     ctl = peer_ptr(peers_ptr, me, 0, tl.int32)
@@ -591,14 +590,7 @@ def expert_backward_kernel(
         # ---- DWGU / DWD: expert weight gradients, each a full reduction over the expert's rows ----
         if MODE == 0:
             if did == 0:
-                # One weight-gradient ticket at a time: dW[g;u] tasks first, then dWd. dWd's
-                # tickets are the launch's last long tasks: with WG_TAIL the rows of its last
-                # round of strips (one strip per worker) are cut into single-block tickets, so
-                # that the workers finish within about a block of each other, not a strip.
-                # (Worked out here rather than once: values live across the worker's loop spill.)
-                wd_tail_rows = tl.minimum((tl.num_programs(0) + N_WD_S - 1) // N_WD_S, N_WD_ROWS) if WG_TAIL else 0
-                n_wd_strips = (N_WD_ROWS - wd_tail_rows) * N_WD_S
-                n_dwd = n_wd_strips + wd_tail_rows * N_WD_N
+                # One weight-gradient ticket at a time: dW[g;u] tasks first, then dWd.
                 q = held_wg
                 kind = held_wg_kind
                 if known & (q < 0):
@@ -612,16 +604,7 @@ def expert_backward_kernel(
                     e = q // per_e
                     n_strips = tl.where(kind == 1, N_WGU_S, N_WD_S)
                     mb = (q % per_e) // n_strips
-                    blk0 = ((q % per_e) % n_strips) * WS
-                    n_blk = WS
-                    if WG_TAIL:
-                        # Past dWd's last strip: one block a ticket, over its last rows in order.
-                        one_block = (kind == 2) & (q >= n_wd_strips)
-                        row = N_WD_ROWS - wd_tail_rows + (q - n_wd_strips) // N_WD_N
-                        e = tl.where(one_block, row // N_WD_M, e)
-                        mb = tl.where(one_block, row % N_WD_M, mb)
-                        blk0 = tl.where(one_block, (q - n_wd_strips) % N_WD_N, blk0)
-                        n_blk = tl.where(one_block, 1, WS)
+                    sb = (q % per_e) % n_strips
                     n_rows_e = pick(n_el, el_idx, e)
                     need = pick(tiles_el, el_idx, e) * N_IB
                     if tl.atomic_add(ctl + C_DH_EXP + e, 0, sem="acquire", scope="gpu") == need:
@@ -638,8 +621,8 @@ def expert_backward_kernel(
                         m_dim = tl.where(gu, 2 * I, H)
                         n_dim = tl.where(gu, H, I)
                         aligned = (H % 16 == 0) & (I % 16 == 0)
-                        row_reduction_strip(a_rows, b_rows, grad, n_rows_e, mb * BWM, blk0, m_dim, n_dim,
-                                            n_blk, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, aligned,
+                        row_reduction_strip(a_rows, b_rows, grad, n_rows_e, mb * BWM, sb * WS, m_dim, n_dim,
+                                            WS, BWM, BWN, BKW, DOT_DTYPE, WG_STAGES, aligned,
                                             WG_TMA, WG_TMA_STORE, WG_BLOCK_LOOPS, PROFILE,
                                             profile_ptr + PROFILE_WG_EPILOGUE, WG_EVICT_FIRST)
                         did = 8

@@ -389,14 +389,13 @@ def _strip_store(out_ptr, o_desc, m0, mcols, m_ok, blk, N_DIM, acc, BN: tl.const
 @triton.jit
 def row_reduction_strip(
     a_ptr, b_ptr, out_ptr, n_rows, m0, blk0, M_DIM, N_DIM,
-    strip, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    STRIP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     DOT_DTYPE: tl.constexpr, STAGES: tl.constexpr, ALIGNED: tl.constexpr, TMA: tl.constexpr = False,
     TMA_STORE: tl.constexpr = False, BLOCK_LOOPS: tl.constexpr = False,
     PROFILE: tl.constexpr = False, epilogue_ns=None, EVICT_FIRST: tl.constexpr = False,
 ):
-    """``out[m0:m0+BM, n-block] = a[:n_rows, m0:m0+BM]^T @ b[:n_rows, n-block]`` for ``strip``
-    consecutive ``BN``-column blocks from ``blk0`` (fewer at the right edge; a run-time count, so
-    that one task may take a whole strip and another a single block).
+    """``out[m0:m0+BM, n-block] = a[:n_rows, m0:m0+BM]^T @ b[:n_rows, n-block]`` for ``STRIP``
+    consecutive ``BN``-column blocks from ``blk0`` (fewer at the right edge).
 
     ``a`` ``[n_rows, M_DIM]``, ``b`` ``[n_rows, N_DIM]`` and ``out`` ``[M_DIM, N_DIM]`` are
     row-major. Each block reduces over the rows in order (deterministic). ``n_rows == 0``
@@ -445,7 +444,7 @@ def row_reduction_strip(
         b_ptr = tl.multiple_of(b_ptr, 16)
         out_ptr = tl.multiple_of(out_ptr, 16)
     steps = tl.maximum(tl.cdiv(n_rows, BK), 1)
-    n_blocks = tl.minimum(tl.cdiv(N_DIM, BN) - blk0, strip)
+    n_blocks = tl.minimum(tl.cdiv(N_DIM, BN) - blk0, STRIP)
     mcols = m0 + tl.arange(0, BM)
     m_ok = mcols < M_DIM
     zeros_only = False

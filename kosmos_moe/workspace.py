@@ -453,11 +453,6 @@ class BackwardTiles:
     # Stop 43, H100 80GB, one run each: DeepSeek-V3 256 experts 37.13 / 37.63, Qwen3 128 experts
     # 11.30 / 11.25, DeepSeek-V3 32 experts 18.22 / 18.40, Qwen3 16 experts 7.47 / 7.47.
     wgrad_evict_first: bool = True
-    # The rows of dWd's last round of strips (one strip per worker; dWd's tickets are the
-    # launch's last long tasks) as single-block tickets, so the workers finish within about a
-    # block of each other rather than a strip (the kernel's WG_TAIL). Results are bitwise the
-    # same either way: each block reduces over its expert's rows in the same order.
-    wgrad_tail_blocks: bool = True
 
     def __post_init__(self) -> None:
         check_tile_sizes(self)
@@ -484,7 +479,7 @@ class BackwardTiles:
             BRM=self.router_grad_rows, BRN=self.router_grad_cols, BRK=self.router_grad_depth, BHR=self.route_cols,
             BTF=self.fold_tokens, BHF=self.fold_cols, STAGES=self.stages, DX_STAGES=self.dx_stages,
             WG_STAGES=self.wgrad_stages, RB_STAGES=self.route_stages, WG_BLOCK_LOOPS=self.wgrad_block_loops,
-            WG_EVICT_FIRST=self.wgrad_evict_first, WG_TAIL=self.wgrad_tail_blocks, num_warps=self.warps, **PINNED_OPTIONS,
+            WG_EVICT_FIRST=self.wgrad_evict_first, num_warps=self.warps, **PINNED_OPTIONS,
         )
 
 
