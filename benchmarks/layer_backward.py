@@ -92,6 +92,10 @@ VARIANTS = {
     "wgrad_k32_tma_store": _backward_tiles(wgrad_tma_store=True, wgrad_depth=32, wgrad_stages=6),
     # 32-row steps, 8 stages, stored by pointer: the shorter fill alone.
     "wgrad_k32_stages8": _backward_tiles(wgrad_depth=32, wgrad_stages=8),
+    # 128-row steps in 2 stages (96 KB each; 196,624 B of shared memory): one or two steps a block
+    # where experts have about 128-256 rows (256 and 128 experts), so fewer fills, waits and
+    # wgmma groups a block.
+    "wgrad_k128_stages2": _backward_tiles(wgrad_depth=128, wgrad_stages=2),
     # The tiles of stop 33: one flat loop per weight-gradient strip, beside which 256-column
     # dx and SwiGLU-backward tiles do not compile without C7512 (offline sm_90, Triton 3.6),
     # and 64 x 64 router-gradient tiles.
