@@ -89,12 +89,18 @@ VARIANTS = {
     # The same stores beside 32-row steps, whose stages (24 KB) leave room for 6 (213,040 B):
     # the blocks' fill waits for half the bytes and the store leaves the loop's path (stop 42:
     # time after the loops 3.21 against 1.00 ms at 256 experts, but 3 stages slowed the loops).
+    # Then 32-row steps, 8 stages, stored by pointer: the shorter fill alone. Neither pays: H100
+    # 80GB, Triton 3.9, stop 58, forward+backward ms, default / these two, one process: Qwen3 16
+    # experts 7.27 / 7.26 / 7.27, DeepSeek-V3 32 17.59 / 17.63 / 17.69, Qwen3 128 10.56 / 10.70 /
+    # 10.85, DeepSeek-V3 256 34.60 / 35.33 / 35.34.
     "wgrad_k32_tma_store": _backward_tiles(wgrad_tma_store=True, wgrad_depth=32, wgrad_stages=6),
-    # 32-row steps, 8 stages, stored by pointer: the shorter fill alone.
     "wgrad_k32_stages8": _backward_tiles(wgrad_depth=32, wgrad_stages=8),
     # 128-row steps in 2 stages (96 KB each; 196,624 B of shared memory): one or two steps a block
     # where experts have about 128-256 rows (256 and 128 experts), so fewer fills, waits and
-    # wgmma groups a block.
+    # wgmma groups a block. Slower everywhere: H100 80GB, Triton 3.9, stop 58, forward+backward
+    # ms, default / this, two processes at 128 and 256 experts: Qwen3 128 experts 10.39 / 11.04
+    # and 10.48 / 10.99, DeepSeek-V3 256 34.09 / 35.85 and 34.24 / 35.63, Qwen3 16 7.18 / 8.10,
+    # DeepSeek-V3 32 17.39 / 19.46.
     "wgrad_k128_stages2": _backward_tiles(wgrad_depth=128, wgrad_stages=2),
     # The tiles of stop 33: one flat loop per weight-gradient strip, beside which 256-column
     # dx and SwiGLU-backward tiles do not compile without C7512 (offline sm_90, Triton 3.6),
