@@ -43,9 +43,10 @@ FEED      claimed without a readiness check, in order: layout tiles (histogram o
           every copy each step).
 DWGU, DWD (local expert, row block, strip of ``WS`` column blocks) of ``dW[g;u]`` and ``dWd``:
           each output tile reduces over all of the expert's rows in slot order
-          (deterministic, no atomics); a strip is one flat pipelined loop, its operands read
-          by TMA where the launcher allows (``WG_TMA``: descriptors over the expert's rows,
-          made in the task; on the GPU an async-proxy fence follows the readiness acquire,
+          (deterministic, no atomics); each block of a strip is its own pipelined loop
+          (``WG_BLOCK_LOOPS``; else one flat loop over the strip), its operands read by TMA
+          where the launcher allows (``WG_TMA``: descriptors over the expert's rows, made in
+          the task; on the GPU an async-proxy fence follows the readiness acquire,
           since the rows were stored in this launch through the generic proxy). Ready when
           every SwiGLU-backward tile of the expert is done; experts without rows write zeros.
 DWR       (expert block, H-block) of the router weight's gradient, ``d logits^T x`` over the
