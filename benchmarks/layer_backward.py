@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 from common import AGREEMENT, disagreement, disagrees, require_cuda
-from layer_forward import (CASES, TOKENS, WRONG, describe_task_times, exit_if_wrong, log, new_results, task_times, timed,
-                           work)
+from layer_forward import (CASES, TOKENS, WRONG, describe_launch_ends, describe_task_times, exit_if_wrong, launch_ends,
+                           log, new_results, task_times, timed, work)
 
 from kosmos_moe import ExpertLayer
 from kosmos_moe.activation_memory import saved_bytes
@@ -284,8 +284,8 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default", tra
         log_breakdown(f"[{name}/{variant}] fused step", result["fused_kernels"])
     if profile:
         for layer in layers:
-            layer.fused().profile = torch.zeros(32, dtype=torch.int64, device="cuda")
-            layer.fused().backward.profile = torch.zeros(32, dtype=torch.int64, device="cuda")
+            layer.fused().profile = layer.fused().new_profile()
+            layer.fused().backward.profile = layer.fused().backward.new_profile()
         fused_step()
         torch.cuda.synchronize()
         for key, launch in (("forward", lambda l: l.fused()), ("backward", lambda l: l.fused().backward)):
@@ -294,6 +294,9 @@ def run_case(name: str, ceil: dict, profile: bool, variant: str = "default", tra
             busy = {k: sum(rep[k]["seconds"] for rep in reports) / (workers * ranks) * 1e3 for k in reports[0]}
             result[f"{key}_per_worker_busy_ms"] = busy
             log(f"[{name}] {key} busy ms per worker: " + ", ".join(f"{k} {v:.3f}" for k, v in busy.items()))
+            ends = launch_ends([launch(layer) for layer in layers])
+            result[f"{key}_launch_ends"] = ends
+            log(f"[{name}] {key} " + describe_launch_ends(ends))
             if key == "backward":
                 # Per GEMM task: the mean time and, for the kept-projection SwiGLU-backward and
                 # the dx tiles, the part after the last dot (the recomputing tiles have no timer);

@@ -195,6 +195,30 @@ def describe_task_times(times: dict) -> str:
                      for k, t in times.items())
 
 
+def launch_ends(launchers: list) -> dict:
+    """How unevenly the workers of the last profiled call started and left, per rank then the
+    worst rank: microseconds from the first start to the last exit, the spread of the starts
+    and of the exits, and the mean worker's wait for the last one out (the launch's end that
+    ran on fewer than all workers, as a share of the launch)."""
+    ranks = []
+    for launcher in launchers:
+        spans = launcher.worker_spans_us()
+        start, leave = spans[:, 0], spans[:, 1]
+        launch = float(leave.max())
+        tail = float((leave.max() - leave).mean())
+        ranks.append({"launch_us": launch, "start_spread_us": float(start.max()),
+                      "exit_spread_us": float(leave.max() - leave.min()), "mean_tail_us": tail,
+                      "mean_tail_share": tail / launch})
+    return max(ranks, key=lambda r: r["mean_tail_share"])
+
+
+def describe_launch_ends(ends: dict) -> str:
+    """``launch_ends`` as one log line."""
+    return (f"launch {ends['launch_us']:.1f} us, workers started within {ends['start_spread_us']:.1f} us "
+            f"and left within {ends['exit_spread_us']:.1f} us; the mean worker waited "
+            f"{ends['mean_tail_us']:.1f} us for the last ({100 * ends['mean_tail_share']:.1f}% of the launch)")
+
+
 def grouped_mm_alone(layer: ExpertLayer, x: torch.Tensor) -> float:
     """Seconds of the two ``torch._grouped_mm`` calls of the reference path on the same rows."""
     import torch.nn.functional as F
@@ -272,7 +296,7 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
             t_fused_sync = timed(call, queued=False)
             # A profiled run: the same kernel with per-task timers.
             for layer in layers:
-                layer.fused().profile = torch.zeros(32, dtype=torch.int64, device="cuda")
+                layer.fused().profile = layer.fused().new_profile()
             call()
             torch.cuda.synchronize()
         workers = layers[0].fused().workers
@@ -283,6 +307,7 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
         # reduction depths (gate/up H deep, down I deep) separate a per-step cost from a
         # per-tile one.
         tile_us = task_times(report, ("gate_up", "down"))
+        ends = launch_ends([layer.fused() for layer in layers])
         v = {
             "tiles": dataclasses.asdict(tiles), "workers_per_rank": workers,
             "fused_ms": t_fused * 1e3, "speedup_vs_reference": t_ref / t_fused,
@@ -294,6 +319,7 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
             "in_kernel_gemm_tflops": w["gemm_flops"] / gemm_s / 1e12 if gemm_s else 0.0,
             "per_worker_busy_ms": {k: s * 1e3 for k, s in busy.items()},
             "routed_tiles": tile_us,
+            "launch_ends": ends,
             "max_abs_diff_vs_reference": agreement["max_abs"], "mean_abs_diff_vs_reference": agreement["mean_abs"],
             "disagreement_vs_reference": agreement,
         }
@@ -304,7 +330,7 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
             f"{100 * roof / t_fused:.0f}% of roofline, GEMM {v['in_kernel_gemm_tflops']:.0f} TFLOP/s in kernel "
             f"vs grouped_mm {result['grouped_mm_tflops']:.0f}; busy ms "
             + ", ".join(f"{k} {s * 1e3:.3f}" for k, s in busy.items()) + "; per tile " + describe_task_times(tile_us)
-            + f"; output off the reference by {agreement['relative']:.2e} overall, {agreement['worst_row']:.2e} "
+            + "; " + describe_launch_ends(ends) + f"; output off the reference by {agreement['relative']:.2e} overall, {agreement['worst_row']:.2e} "
               "at worst in a row")
         if disagrees(agreement, token_rows=True):
             WRONG.append(f"{name}/{label}")

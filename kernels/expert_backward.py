@@ -68,7 +68,7 @@ Epochs, parity, the error record and the reset by the last worker work as in the
 import triton
 import triton.language as tl
 
-from .profile import now
+from .profile import now, record_worker_span
 from .queues import (
     claim, combine_destination, count_flags, dispatch_chunk, expert_tasks, fold_block, locate, pick, poll_counts,
     record_missing_counts,
@@ -300,6 +300,7 @@ def expert_backward_kernel(
     e_idx = tl.arange(0, E_PAD)
     kk = tl.arange(0, K_PAD)
 
+    t_start = now() if PROFILE else 0
     running = 1
     idle = 0
     # Tickets this worker holds (-1: none); see kernels.expert_forward, "Claiming: tickets".
@@ -714,6 +715,9 @@ def expert_backward_kernel(
             tl.atomic_add(profile_ptr + 16 + did, 1, sem="relaxed")
         if tl.atomic_add(abort, 0, sem="relaxed") != 0:
             running = 0
+
+    if PROFILE:
+        record_worker_span(profile_ptr, t_start)
 
     # ---- Leave; the last worker out resets the counters for the next call. ----
     tl.debug_barrier()

@@ -105,7 +105,7 @@ host turns the record into an exception.
 import triton
 import triton.language as tl
 
-from .profile import now
+from .profile import now, record_worker_span
 from .queues import (
     claim as _claim, combine_destination, dispatch_chunk, expert_tasks, fold_block, locate as _locate,
     locate_expert, pick as _pick,
@@ -317,6 +317,7 @@ def expert_forward_kernel(
     w_idx = tl.arange(0, W_PAD)
     el_idx = tl.arange(0, EL_PAD)
 
+    t_start = now() if PROFILE else 0
     running = 1
     idle = 0
     ran_gate_up = 0  # PROFILE: whether this worker has run a routed gate/up tile yet
@@ -619,6 +620,9 @@ def expert_forward_kernel(
                     tl.atomic_add(profile_ptr + 16 + PROFILE_IDLE_GATE_UP_LATE, 1, sem="relaxed")
             if did == 4:
                 ran_gate_up = 1
+
+    if PROFILE:
+        record_worker_span(profile_ptr, t_start)
 
     # ---- Leave; the last worker out resets the counters for the next call. ----
     tl.debug_barrier()

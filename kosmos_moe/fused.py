@@ -334,7 +334,7 @@ class _PersistentLaunch:
         # here; see the kernel module's PROFILE_SLOTS.
         if profile and not on_gpu:
             raise ValueError("profiling reads the GPU timer; it is not available under the interpreter")
-        self.profile = torch.zeros(32, dtype=torch.int64, device=fabric.device) if profile else None
+        self.profile = self.new_profile() if profile else None
 
     def _layout(self, dtype: torch.dtype) -> WorkspaceLayout:
         raise NotImplementedError
@@ -424,14 +424,30 @@ class _PersistentLaunch:
         if self.workspace is not None:
             self.workspace.failed = error
 
+    def new_profile(self) -> torch.Tensor:
+        """A zeroed profile buffer: 16 per-kind nanosecond slots, 16 pass counts, then each
+        worker's start and exit of the last profiled call (``kernels.profile.PROFILE_SPANS``).
+        Assign it to ``profile`` to start counting afresh."""
+        return torch.zeros(32 + 2 * self.workers, dtype=torch.int64, device=self.fabric.device)
+
     def profile_report(self) -> dict[str, dict[str, float]]:
         """Per task kind: worker-seconds spent and passes, summed over the profiled calls."""
         if self.profile is None:
             raise RuntimeError("build the launcher with profile=True")
-        values = self.profile.cpu().tolist()
+        values = self.profile[:32].cpu().tolist()
         return {
             kind: {"seconds": values[i] * 1e-9, "passes": values[16 + i]} for i, kind in enumerate(self.profile_slots)
         }
+
+    def worker_spans_us(self) -> torch.Tensor:
+        """Each worker's [start, exit] in the last profiled call, in microseconds from the first
+        worker's start: a ``[workers, 2]`` float64 tensor on the CPU."""
+        if self.profile is None:
+            raise RuntimeError("build the launcher with profile=True")
+        spans = self.profile[32:].cpu().view(self.workers, 2)
+        if bool((spans == 0).any()):
+            raise RuntimeError("no profiled call has run since the profile buffer was made")
+        return (spans - spans[:, 0].min()).double() * 1e-3
 
     # ------------------------------------------------------------------------------------
     # Timeouts: the kernel leaves an error record in the workspace; the host reads it without

@@ -184,6 +184,31 @@ def test_forced_worker_counts(workers):
     check("sigmoid_group_shared", 2, workers=workers)
 
 
+def test_profiled_launches_report_tasks_and_worker_spans():
+    """Profiling builds (timers in the kernels) give the same gradients, count every task kind
+    that must have run, and record each worker's start and exit of the last call."""
+    case, world = "sigmoid_group_shared", 2
+    full, truth, emulated, layers = make_world(case, world, workers=9)
+    launchers = [launch for layer in layers for launch in (layer.fused(), layer.fused().backward)]
+    for launch in launchers:
+        launch.profile = launch.new_profile()
+    batches = [batch(case, COUNTS[:world], 0)]
+    outs, x_grads = run_world(full, emulated, layers, batches)
+    check_against_reference(full, truth, layers, batches, outs, x_grads, f"{case} world {world} profiled")
+    torch.cuda.synchronize()
+    for launch in launchers:
+        report = launch.profile_report()
+        ran = ("gate_up", "down", "fold") if launch.direction == "forward" else ("dx", "weight_grad", "fold")
+        for kind in ran:
+            assert report[kind]["passes"] > 0 and report[kind]["seconds"] > 0, (launch.direction, kind, report)
+        spans = launch.worker_spans_us()
+        assert spans.shape == (9, 2)
+        assert spans[:, 0].min() == 0 and bool((spans[:, 1] > spans[:, 0]).all()), spans
+        # Every worker of a launch runs at once (a persistent grid): none starts after another leaves.
+        assert spans[:, 0].max() < spans[:, 1].min(), spans
+        assert spans[:, 1].max() < 10e6, spans  # under 10 s: timestamps of this call, not stale ones
+
+
 @pytest.mark.parametrize("skew", ["one_expert", "one_rank"])
 def test_skewed_routing(skew):
     check("sigmoid_group_shared", 4, skew=skew)
