@@ -317,3 +317,31 @@ def test_disagreement_flags_wrong_results_not_rounding(monkeypatch):
     stray = grad.clone()
     stray[2, 5, 7] = 1.0
     assert common.disagreement([stray], grad)["worst_row"] > 1
+
+
+def test_launch_ends_summarise_worker_spans(monkeypatch):
+    """A profile buffer's span slots become microseconds from the first start
+    (``_PersistentLaunch.worker_spans_us``), and ``launch_ends`` reports the rank whose workers
+    waited longest, as a share of its launch, for the last one out; no GPU needed."""
+    from types import SimpleNamespace
+
+    from kosmos_moe.fused import _PersistentLaunch
+
+    forward = benchmark_module("layer_forward", monkeypatch)
+    counts = torch.zeros(32, dtype=torch.int64)
+    # Timestamps in ns: three workers start 0-2 us after 1 s and leave at 100, 60 and 100 us.
+    spans = torch.tensor([1_000_001_000, 1_000_100_000, 1_000_000_000, 1_000_060_000, 1_000_002_000, 1_000_100_000])
+    even = SimpleNamespace(profile=torch.cat([counts, spans]), workers=3)
+    got = _PersistentLaunch.worker_spans_us(even)
+    assert torch.allclose(got, torch.tensor([[1.0, 100.0], [0.0, 60.0], [2.0, 100.0]], dtype=torch.float64))
+    uneven = SimpleNamespace(profile=torch.cat([counts, spans - 1_000_000_000 + 5]), workers=3)
+    uneven.profile[33] = 1_000 + 5  # worker 0 leaves right after it starts
+    launchers = [SimpleNamespace(worker_spans_us=lambda: _PersistentLaunch.worker_spans_us(launch))
+                 for launch in (even, uneven)]
+    ends = forward.launch_ends(launchers)
+    assert ends["launch_us"] == 100.0 and ends["start_spread_us"] == 2.0 and ends["exit_spread_us"] == 99.0
+    # Exits at 1, 60 and 100 us: the workers wait 99, 40 and 0 us for the last.
+    assert abs(ends["mean_tail_us"] - 139.0 / 3) < 1e-9 and abs(ends["mean_tail_share"] - 1.39 / 3) < 1e-9
+    assert "left within 99.0 us" in forward.describe_launch_ends(ends)
+    with pytest.raises(RuntimeError, match="no profiled call"):
+        _PersistentLaunch.worker_spans_us(SimpleNamespace(profile=torch.zeros(38, dtype=torch.int64), workers=3))
