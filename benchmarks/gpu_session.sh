@@ -13,7 +13,8 @@
 #                    autocast, shared workspaces and torch.compile on one rank
 #   tests-forward    the forward, signals, exchange and distributed GPU suites
 #   forward          layer_forward.py on the four EP=1 cases (the forward table)
-#   backward         layer_backward.py --profile on the four cases (the forward+backward table)
+#   backward         layer_backward.py --profile on the four cases (the forward+backward table;
+#                    the profiled step also logs how far apart each launch's workers left)
 #   variants-forward layer_forward.py on the four EP=1 cases, the default against the forward
 #                    variants last timed (two workers per SM, the table in
 #                    benchmarks/FINDINGS.md), after the GPU tests of those tiles
