@@ -330,7 +330,8 @@ def run_case(name: str, ceil: dict, tile_variants: dict) -> dict:
             f"{100 * roof / t_fused:.0f}% of roofline, GEMM {v['in_kernel_gemm_tflops']:.0f} TFLOP/s in kernel "
             f"vs grouped_mm {result['grouped_mm_tflops']:.0f}; busy ms "
             + ", ".join(f"{k} {s * 1e3:.3f}" for k, s in busy.items()) + "; per tile " + describe_task_times(tile_us)
-            + "; " + describe_launch_ends(ends) + f"; output off the reference by {agreement['relative']:.2e} overall, {agreement['worst_row']:.2e} "
+            + "; " + describe_launch_ends(ends)
+            + f"; output off the reference by {agreement['relative']:.2e} overall, {agreement['worst_row']:.2e} "
               "at worst in a row")
         if disagrees(agreement, token_rows=True):
             WRONG.append(f"{name}/{label}")

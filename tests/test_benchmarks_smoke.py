@@ -335,7 +335,7 @@ def test_launch_ends_summarise_worker_spans(monkeypatch):
     got = _PersistentLaunch.worker_spans_us(even)
     assert torch.allclose(got, torch.tensor([[1.0, 100.0], [0.0, 60.0], [2.0, 100.0]], dtype=torch.float64))
     uneven = SimpleNamespace(profile=torch.cat([counts, spans - 1_000_000_000 + 5]), workers=3)
-    uneven.profile[33] = 1_000 + 5  # worker 0 leaves right after it starts
+    uneven.profile[33] = 1_000 + 5  # worker 0 leaves as it starts, 1 us after worker 1
     launchers = [SimpleNamespace(worker_spans_us=lambda: _PersistentLaunch.worker_spans_us(launch))
                  for launch in (even, uneven)]
     ends = forward.launch_ends(launchers)
