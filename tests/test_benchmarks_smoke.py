@@ -345,3 +345,18 @@ def test_launch_ends_summarise_worker_spans(monkeypatch):
     assert "left within 99.0 us" in forward.describe_launch_ends(ends)
     with pytest.raises(RuntimeError, match="no profiled call"):
         _PersistentLaunch.worker_spans_us(SimpleNamespace(profile=torch.zeros(38, dtype=torch.int64), workers=3))
+
+
+@pytest.mark.skipif(not __import__("triton").__version__.startswith("3.9."),
+                    reason="the expected answers were read off Triton 3.9, the version CI installs")
+def test_warp_specialization_probe_tells_split_from_dropped(monkeypatch):
+    """The probe's three answers come from the compiler, not from the script: under the Triton
+    CI installs (3.9), a 4-warp 64 x 128 tile is split into partitions, the same loop at 8 warps
+    is left whole, and a 128-row tile at 4 warps fails in the pass. A newer Triton that changes
+    these answers should fail here, since the README's account of why the kernels issue their
+    own copies rests on them."""
+    probe = benchmark_module("warp_specialization_probe", monkeypatch)
+    assert probe.probe(probe.one_tile, 4, 64, 128) == "split"
+    assert probe.probe(probe.one_tile, 8, 128, 256) == "not split"
+    failed = probe.probe(probe.one_tile, 4, 128, 128)
+    assert failed.startswith("failed in NVGPUWarpSpecialization: ") and "descriptor block" in failed, failed
