@@ -71,7 +71,7 @@ KERNELS = {"one_tile": one_tile, "persistent": persistent, "claimed": claimed}
 
 
 def probe(kernel, warps: int, bm: int, bn: int, bk: int = 64) -> str:
-    """``split``, ``not split`` or ``failed: ...`` for one sm_90a build of ``kernel``."""
+    """``split``, ``not split`` or ``failed in PASS: ERROR`` for one sm_90a build of ``kernel``."""
     signature = {"a_desc": f"tensordesc<bf16[{bm},{bk}]>", "b_desc": f"tensordesc<bf16[{bn},{bk}]>",
                  "c_ptr": "*bf16", "head_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32",
                  "BM": "constexpr", "BN": "constexpr", "BK": "constexpr", "WS": "constexpr"}
@@ -85,7 +85,6 @@ def probe(kernel, warps: int, bm: int, bn: int, bk: int = 64) -> str:
         try:
             compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
         except Exception as e:  # noqa: BLE001 - the compiler's own error is the finding
-            os.dup2(saved, 2)
             log.seek(0)
             text = log.read()
             errors = re.findall(r"error: (.*)", text) or [str(e).strip().splitlines()[-1]]
