@@ -14,7 +14,8 @@ def now():
 # After the 16 per-kind nanosecond slots and the 16 pass counts: each worker's [start, exit]
 # timestamps of the last profiled call, two int64 slots a worker. How far apart the workers
 # leave is how much of the launch's end runs on fewer than all SMs.
-PROFILE_SPANS = tl.constexpr(32)
+SPANS_AT = 32  # host side: kosmos_moe.fused sizes and reads the buffer by it
+PROFILE_SPANS = tl.constexpr(SPANS_AT)
 
 
 @triton.jit

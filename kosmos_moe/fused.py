@@ -428,13 +428,17 @@ class _PersistentLaunch:
         """A zeroed profile buffer: 16 per-kind nanosecond slots, 16 pass counts, then each
         worker's start and exit of the last profiled call (``kernels.profile.PROFILE_SPANS``).
         Assign it to ``profile`` to start counting afresh."""
-        return torch.zeros(32 + 2 * self.workers, dtype=torch.int64, device=self.fabric.device)
+        from kosmos_moe.kernels.profile import SPANS_AT
+
+        return torch.zeros(SPANS_AT + 2 * self.workers, dtype=torch.int64, device=self.fabric.device)
 
     def profile_report(self) -> dict[str, dict[str, float]]:
         """Per task kind: worker-seconds spent and passes, summed over the profiled calls."""
         if self.profile is None:
             raise RuntimeError("build the launcher with profile=True")
-        values = self.profile[:32].cpu().tolist()
+        from kosmos_moe.kernels.profile import SPANS_AT
+
+        values = self.profile[:SPANS_AT].cpu().tolist()
         return {
             kind: {"seconds": values[i] * 1e-9, "passes": values[16 + i]} for i, kind in enumerate(self.profile_slots)
         }
@@ -444,7 +448,9 @@ class _PersistentLaunch:
         worker's start: a ``[workers, 2]`` float64 tensor on the CPU."""
         if self.profile is None:
             raise RuntimeError("build the launcher with profile=True")
-        spans = self.profile[32:].cpu().view(self.workers, 2)
+        from kosmos_moe.kernels.profile import SPANS_AT
+
+        spans = self.profile[SPANS_AT:].cpu().view(self.workers, 2)
         if bool((spans == 0).any()):
             raise RuntimeError("no profiled call has run since the profile buffer was made")
         return (spans - spans[:, 0].min()).double() * 1e-3
