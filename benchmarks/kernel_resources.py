@@ -75,7 +75,7 @@ from triton.runtime.jit import mangle_type  # noqa: E402
 
 from kosmos_moe import ExpertLayer  # noqa: E402
 from kosmos_moe.fabric import EmulatedWorld  # noqa: E402
-from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES  # noqa: E402
+from kosmos_moe.workspace import GPU_TILES, gpu_backward_tiles  # noqa: E402
 
 CASES = ONE_RANK_CASES  # layer_forward.py's cases of one rank
 SM90_SHARED_LIMIT = 232448  # bytes of shared memory a block may use on sm_90 (227 KB)
@@ -443,7 +443,7 @@ def main() -> None:
                         help="plain_gate_up: gemm_tiles.py's gate/up grid, the forward's routed gate/up tile alone")
     parser.add_argument("--tiles", nargs="*", default=[], metavar="FIELD=VALUE", help="forward tile overrides")
     parser.add_argument("--backward-tiles", nargs="*", default=[], metavar="FIELD=VALUE",
-                        help="backward tile overrides")
+                        help="backward tile overrides, on the case's default (kosmos_moe.workspace.gpu_backward_tiles)")
     parser.add_argument("--tokens", type=int, default=4096, help="max tokens per rank (sizes the workspace)")
     parser.add_argument("--ranks", type=int, default=1,
                         help="expert-parallel world size (the case's experts are split among the ranks)")
@@ -458,8 +458,9 @@ def main() -> None:
                         help="also list each innermost wgmma loop's machine code: instructions per "
                              "iteration, products, copies, waits and barriers")
     args = parser.parse_args()
+    local_experts = LAYER_CASES[args.case][1] // args.ranks
     tiles = {"forward": tile_overrides(args.tiles, GPU_TILES),
-             "backward": tile_overrides(args.backward_tiles, GPU_BACKWARD_TILES)}
+             "backward": tile_overrides(args.backward_tiles, gpu_backward_tiles(local_experts))}
     calls = kernel_calls(args.case, tiles["forward"], tiles["backward"], args.tokens, args.ranks)
     if "plain_gate_up" in args.kernels:
         calls["plain_gate_up"] = plain_gate_up_call(args.case, tiles["forward"], args.tokens)

@@ -32,7 +32,7 @@ from layer_forward import (CASES, TOKENS, WRONG, describe_launch_ends, describe_
 from kosmos_moe import ExpertLayer
 from kosmos_moe.activation_memory import saved_bytes
 from kosmos_moe.fabric import EmulatedWorld
-from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_TILES
+from kosmos_moe.workspace import GPU_BACKWARD_TILES, GPU_BACKWARD_TILES_TWO_PER_SM, GPU_TILES
 
 # Variants (--variants): the fused layer's options (``FusedForward``'s keyword arguments) that
 # differ from the default. The backward's dx and SwiGLU-backward tiles read their weights by
@@ -120,16 +120,11 @@ VARIANTS = {
     # The weight-gradient blocks stored without the L2 evict-first policy (the default until
     # stop 42).
     "wgrad_keep_in_l2": _backward_tiles(wgrad_evict_first=False),
-    # Two workers of one warpgroup per SM, each tile a warpgroup's: 128 x 128 dx, SwiGLU-backward
-    # and weight-gradient tiles in 3 stages, 64 x 64 router-gradient tiles, 32-column epilogues
-    # (offline sm_90a, Triton 3.9, Qwen3 128 experts: 255 registers, 624 / 740 B of spills,
-    # 98,328 B of shared memory, 2 blocks per SM). The weight-gradient blocks wait on their own
-    # fill, drain and store (stop 42 at DeepSeek-V3 256 experts: 5.5 us a block, 1.4 at the dense
-    # rate), which a second worker on the SM could fill with its wgmma. The forward's two-per-SM
-    # tiles lost on the H200 (benchmarks/FINDINGS.md), but its tiles ran near the dense rate.
-    "two_per_sm": _backward_tiles(warps=4, workers_per_sm=2, dx_cols=128, swiglu_cols=128, wgrad_cols=128,
-                                  dx_stages=3, wgrad_stages=3, router_grad_rows=64, router_grad_cols=64,
-                                  swiglu_epilogue_cols=32, recompute_cols=32),
+    # The default from 128 local experts (kosmos_moe.workspace.gpu_backward_tiles), named to time
+    # either at any expert count: one worker of two warpgroups per SM (the tiles the variants
+    # above change), and two workers of one warpgroup per SM.
+    "one_per_sm": {"backward_tiles": GPU_BACKWARD_TILES},
+    "two_per_sm": {"backward_tiles": GPU_BACKWARD_TILES_TWO_PER_SM},
 }
 
 

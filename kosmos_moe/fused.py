@@ -26,7 +26,7 @@ from .residency import require_resident
 from .sharing import WorkspacePool
 from .workspace import (
     GPU_BACKWARD_TILES, GPU_TILES, INTERPRETER_BACKWARD_TILES, INTERPRETER_TILES, BackwardTiles, Tiles,
-    WorkspaceLayout, backward_layout, forward_layout,
+    WorkspaceLayout, backward_layout, forward_layout, gpu_backward_tiles,
 )
 
 # Polls before a wait gives up. On the H200 1 << 22 polls of the count exchange took under
@@ -819,7 +819,10 @@ class FusedBackward(_PersistentLaunch):
     def __init__(self, config, fabric, max_tokens, workers=None, tiles=None, wait_bound=None, profile=False,
                  saved: int = SAVED_NONE, rows_only: bool = False, pool: WorkspacePool | None = None) -> None:
         on_gpu = fabric.device.type == "cuda"
-        tiles = tiles or (GPU_BACKWARD_TILES if on_gpu else INTERPRETER_BACKWARD_TILES)
+        if tiles is None and on_gpu:
+            # A standalone dispatch/combine moves rows only: its launch keeps one worker per SM.
+            tiles = GPU_BACKWARD_TILES if rows_only else gpu_backward_tiles(config.num_experts // fabric.world_size)
+        tiles = tiles or INTERPRETER_BACKWARD_TILES
         if saved == SAVED_NONE:
             # Every SwiGLU-backward task redoes the projections: no wider tasks.
             tiles = dataclasses.replace(tiles, swiglu_cols=tiles.recompute_cols)

@@ -19,7 +19,7 @@ count (:func:`workspace_bytes`; the layers of a model can share them, kosmos_moe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -484,6 +484,31 @@ class BackwardTiles:
 
 
 GPU_BACKWARD_TILES = BackwardTiles()
+# Where experts have few rows (128-256 each at 4096 tokens per rank), the weight-gradient blocks
+# wait on their own fill, drain and store, a few us a block for about 1.4 at the dense rate
+# (stop 42). Two workers of one warpgroup per SM overlap one's waits with the other's wgmma, at
+# tiles a warpgroup holds: 128 x 128 dx, SwiGLU-backward and weight-gradient tiles in 3 stages
+# beside 64 x 64 router-gradient tiles and 32-column epilogues (offline sm_90a, Triton 3.9: 255
+# registers, 98,328 B of shared memory, 2 blocks per SM; spills 624 / 740 B at Qwen3 128
+# experts, 808 / 1,156 at DeepSeek-V3 256). H100 80GB, stop 60, Triton 3.9, forward+backward
+# ms, one worker / two per SM (layer_backward.py variants one_per_sm, two_per_sm), profiled
+# run, then unprofiled in the other order: Qwen3 128 experts 10.44 / 9.96 and 10.50 / 9.99,
+# DeepSeek-V3 256 34.26 / 33.10 and 34.16 / 33.14; but Qwen3 16 experts 7.24 / 8.20 and
+# DeepSeek-V3 32 17.65 / 20.27, where the 128 x 128 tiles' extra operand reads cost more than
+# the overlap gains (dx 2.92 against 3.71 ms busy per worker). So from 128 local experts.
+GPU_BACKWARD_TILES_TWO_PER_SM = replace(
+    GPU_BACKWARD_TILES, warps=4, workers_per_sm=2, dx_cols=128, swiglu_cols=128, wgrad_cols=128, dx_stages=3,
+    wgrad_stages=3, router_grad_rows=64, router_grad_cols=64, swiglu_epilogue_cols=32, recompute_cols=32,
+)
+TWO_PER_SM_FROM_EXPERTS = 128
+
+
+def gpu_backward_tiles(local_experts: int) -> BackwardTiles:
+    """The GPU's backward tiles for a rank of ``local_experts`` experts: two workers of one
+    warpgroup per SM from :data:`TWO_PER_SM_FROM_EXPERTS` on, else one of two warpgroups."""
+    return GPU_BACKWARD_TILES_TWO_PER_SM if local_experts >= TWO_PER_SM_FROM_EXPERTS else GPU_BACKWARD_TILES
+
+
 # Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run
 # (not halved where 2 blocks are a whole row: wgrad_strip_for has its own test).
 # The SwiGLU-backward epilogue in quarters, as the GPU's 256-column tiles.
@@ -556,7 +581,7 @@ def backward_layout(
 
 def workspace_bytes(
     config: MoEConfig, world: int, max_tokens: int, dtype: torch.dtype = torch.bfloat16,
-    tiles: Tiles = GPU_TILES, backward_tiles: BackwardTiles = GPU_BACKWARD_TILES,
+    tiles: Tiles = GPU_TILES, backward_tiles: BackwardTiles | None = None,
 ) -> dict[str, int]:
     """Bytes of one rank's fused workspaces, without allocating them: ``forward`` (every layer
     of ``backend="kosmos"``) and ``backward`` (allocated with the forward's when the layer's
@@ -565,5 +590,6 @@ def workspace_bytes(
     (:func:`kosmos_moe.share_workspaces`) hold one pair per layout."""
     return {
         "forward": forward_layout(config, world, max_tokens, tiles, dtype).nbytes,
-        "backward": backward_layout(config, world, max_tokens, backward_tiles, dtype).nbytes,
+        "backward": backward_layout(config, world, max_tokens,
+                                    backward_tiles or gpu_backward_tiles(config.num_experts // world), dtype).nbytes,
     }

@@ -183,10 +183,10 @@ def fp32_truth(full: ExpertLayer, case: str) -> ExpertLayer:
 
 
 def emulated_gpu_world(case: str, world: int, skew: str = "none", workers: int | None = None,
-                       max_tokens: int = 768, wait_bound: int | None = None, tiles=None):
+                       max_tokens: int = 768, wait_bound: int | None = None, tiles=None, backward_tiles=None):
     """``(full, emulated, layers)``: the reference layer and one fused layer per rank of an
     emulated world on the current GPU, their workspaces built (a sync) before any run;
-    ``tiles``: the forward's (default: the GPU's)."""
+    ``tiles``, ``backward_tiles``: the forward's and the backward's (default: the GPU's)."""
     from kosmos_moe.fabric import EmulatedWorld
 
     full = gpu_full_layer(case, world, skew)
@@ -195,7 +195,7 @@ def emulated_gpu_world(case: str, world: int, skew: str = "none", workers: int |
     for r in range(world):
         layer = ExpertLayer(**GPU_SHAPES[case], backend="kosmos", fabric=emulated.rank(r), max_tokens_per_rank=max_tokens,
                             workers_per_rank=workers, dtype=torch.bfloat16, device="cuda",
-                            fused_options=dict(wait_bound=wait_bound, tiles=tiles))
+                            fused_options=dict(wait_bound=wait_bound, tiles=tiles, backward_tiles=backward_tiles))
         layer.load_full_state_dict(full.state_dict())
         layers.append(layer)
     for layer in layers:

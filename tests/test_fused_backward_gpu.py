@@ -17,6 +17,7 @@ import torch
 
 from accuracy import assert_within
 from fused_cases import GPU_COUNTS, GPU_SHAPES, emulated_gpu_world, fp32_truth, skew_tokens
+from kosmos_moe.workspace import GPU_BACKWARD_TILES_TWO_PER_SM
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,8 +40,9 @@ REPLICATED = ("gate.weight", "shared_experts.gate_proj.weight", "shared_experts.
 ROUTER_MIN_TOKENS = 64
 
 
-def make_world(case, world, skew="none", max_tokens=768, workers=None):
-    full, emulated, layers = emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND)
+def make_world(case, world, skew="none", max_tokens=768, workers=None, backward_tiles=None):
+    full, emulated, layers = emulated_gpu_world(case, world, skew, workers, max_tokens, TEST_WAIT_BOUND,
+                                                backward_tiles=backward_tiles)
     return full, fp32_truth(full, case), emulated, layers
 
 
@@ -147,8 +149,9 @@ def check_against_reference(full, truth, layers, batches, outs, x_grads, what):
             assert_within(p.grad, ref_own[name], tru_own[name], f"{what} rank {r}: {name} (own tokens)")
 
 
-def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_tokens=768, workers=None):
-    full, truth, emulated, layers = make_world(case, world, skew, max_tokens, workers)
+def check(case, world, skew="none", pattern="fused", calls=1, counts=None, max_tokens=768, workers=None,
+          backward_tiles=None):
+    full, truth, emulated, layers = make_world(case, world, skew, max_tokens, workers, backward_tiles)
     counts = counts or COUNTS[:world]
     what = f"{case} world {world} skew {skew} {pattern}"
     if pattern == "fused":
@@ -182,6 +185,15 @@ def test_other_router_shared_combinations(case):
 def test_forced_worker_counts(workers):
     """One worker per rank runs every task kind in turn; seven leave most SMs free."""
     check("sigmoid_group_shared", 2, workers=workers)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_two_workers_per_sm(world):
+    """The backward's many-expert tiles (two workers of one warpgroup per SM, 128 x 128 tiles;
+    kosmos_moe.workspace.gpu_backward_tiles) on a shape of few experts, where every tile kind
+    runs; in a world of 3 beside the other ranks' forwards of one worker per SM."""
+    layers = check("sigmoid_group_shared", world, calls=2, backward_tiles=GPU_BACKWARD_TILES_TWO_PER_SM)
+    assert all(layer.fused().backward.workers == 2 * layers[0].fused().workers for layer in layers)
 
 
 def test_profiled_launches_report_tasks_and_worker_spans():

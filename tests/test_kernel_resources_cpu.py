@@ -10,7 +10,8 @@ forward's gate/up loop was until its rows were declared aligned.
 This test compiles both kernels with the GPU's tiles at the DeepSeek-V3 one-rank shape
 through benchmarks/kernel_resources.py (Triton's own compiler and ptxas, no GPU) and fails
 on either warning, on a 16-bit wgmma loop without a dot in flight, on shared memory over
-sm_90's 227 KB, or on fewer blocks per SM than the tiles' workers_per_sm. Three more runs
+sm_90's 227 KB, or on fewer blocks per SM than the tiles' workers_per_sm; so does the
+Qwen3-235B shape, where both kernels take their many-expert tiles. Three more runs
 show the checks can fail: tiles known to exhaust the registers (the default wide dx and
 SwiGLU-backward tiles beside flat weight-gradient strips), the forward
 without its row alignment hint, and the default forward asked to run two workers per SM.
@@ -99,14 +100,21 @@ def test_default_tiles_keep_wgmma_pipelined(tmp_path):
     assert plain["instructions"] <= fused["instructions"] <= 1.2 * plain["instructions"], (fused, plain)
 
 
-def test_many_expert_forward_pipelines_gate_up_deeper(tmp_path):
-    # From 128 local experts (Qwen3 at EP=1) the gate/up tiles run 4 stages instead of 3
-    # (Tiles.many_experts_stages) beside the down tiles' 4, still one dot in flight and within
-    # shared memory (--check).
-    done, report = run_tool(tmp_path, "--case", "qwen3_full", "--kernels", "forward")
+def test_many_expert_tiles_compile_as_chosen(tmp_path):
+    # From 128 local experts (Qwen3 at EP=1) the forward's gate/up tiles run 4 stages instead of 3
+    # (Tiles.many_experts_stages) beside the down tiles' 4, and the backward runs as two workers
+    # of one warpgroup per SM (kosmos_moe.workspace.gpu_backward_tiles): both still with one dot
+    # in flight, without serialized wgmma and within shared memory (--check), two backward blocks
+    # resident per SM.
+    done, report = run_tool(tmp_path, "--case", "qwen3_full", "--kernels", "forward", "backward")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    gemm_loops = [loop for loop in report["kernels"]["forward"]["wgmma_loops"] if loop["dtype"] == "bf16"]
+    forward, backward = report["kernels"]["forward"], report["kernels"]["backward"]
+    gemm_loops = [loop for loop in forward["wgmma_loops"] if loop["dtype"] == "bf16"]
     assert len(gemm_loops) >= 3 and {loop["stages"] for loop in gemm_loops} == {4}, gemm_loops
+    assert backward["warps"] == 4 and backward["blocks_per_sm"] == 2, backward
+    assert backward["wgmma_serialized"] == [], backward["ptxas_warnings"]
+    gemm_loops = [loop for loop in backward["wgmma_loops"] if loop["dtype"] == "bf16"]
+    assert len(gemm_loops) >= 3 and all(loop["in_flight"] for loop in gemm_loops), gemm_loops
 
 
 def test_register_starved_tiles_are_reported(tmp_path):
