@@ -125,7 +125,7 @@ def test_gpu_session_names_real_tests_cases_and_variants(monkeypatch):
     }
     text = (ROOT / "benchmarks" / "gpu_session.sh").read_text().replace("\\\n", " ")
     stages = re.findall(r"^\s+[\w-]+\)\s+(python .*?;;)", text, re.M)
-    assert len(stages) == 26, stages
+    assert len(stages) == 27, stages
     commands = []
     for stage in stages:
         for part in re.split(r"&&|;", stage.split(";;")[0]):
