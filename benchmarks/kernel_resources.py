@@ -460,7 +460,7 @@ def main() -> None:
     args = parser.parse_args()
     local_experts = LAYER_CASES[args.case][1] // args.ranks
     tiles = {"forward": tile_overrides(args.tiles, GPU_TILES),
-             "backward": tile_overrides(args.backward_tiles, gpu_backward_tiles(local_experts))}
+             "backward": tile_overrides(args.backward_tiles, gpu_backward_tiles(local_experts, args.ranks == 1))}
     calls = kernel_calls(args.case, tiles["forward"], tiles["backward"], args.tokens, args.ranks)
     if "plain_gate_up" in args.kernels:
         calls["plain_gate_up"] = plain_gate_up_call(args.case, tiles["forward"], args.tokens)

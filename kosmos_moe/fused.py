@@ -821,7 +821,8 @@ class FusedBackward(_PersistentLaunch):
         on_gpu = fabric.device.type == "cuda"
         if tiles is None and on_gpu:
             # A standalone dispatch/combine moves rows only: its launch keeps one worker per SM.
-            tiles = GPU_BACKWARD_TILES if rows_only else gpu_backward_tiles(config.num_experts // fabric.world_size)
+            tiles = GPU_BACKWARD_TILES if rows_only else gpu_backward_tiles(
+                config.num_experts // fabric.world_size, keeps_every_row=saved == SAVED_ALL)
         tiles = tiles or INTERPRETER_BACKWARD_TILES
         if saved == SAVED_NONE:
             # Every SwiGLU-backward task redoes the projections: no wider tasks.

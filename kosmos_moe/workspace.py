@@ -495,7 +495,12 @@ GPU_BACKWARD_TILES = BackwardTiles()
 # run, then unprofiled in the other order: Qwen3 128 experts 10.44 / 9.96 and 10.50 / 9.99,
 # DeepSeek-V3 256 34.26 / 33.10 and 34.16 / 33.14; but Qwen3 16 experts 7.24 / 8.20 and
 # DeepSeek-V3 32 17.65 / 20.27, where the 128 x 128 tiles' extra operand reads cost more than
-# the overlap gains (dx 2.92 against 3.71 ms busy per worker). So from 128 local experts.
+# the overlap gains (dx 2.92 against 3.71 ms busy per worker). So from 128 local experts, and only
+# where the forward keeps every row's gate/up projections (one rank, save_gate_up > 0): a kernel
+# that may redo them compiles the three-accumulator SwiGLU-backward tiles, whose 3 stages take
+# 135,168 B of shared memory, one block per SM (H100, Triton 3.6, a world of 3, stop 60: the
+# launcher refused the grid before launching it; offline sm_90a, Triton 3.9, Qwen3 128 experts
+# over 2 ranks, the same 135,168 B).
 GPU_BACKWARD_TILES_TWO_PER_SM = replace(
     GPU_BACKWARD_TILES, warps=4, workers_per_sm=2, dx_cols=128, swiglu_cols=128, wgrad_cols=128, dx_stages=3,
     wgrad_stages=3, router_grad_rows=64, router_grad_cols=64, swiglu_epilogue_cols=32, recompute_cols=32,
@@ -503,10 +508,13 @@ GPU_BACKWARD_TILES_TWO_PER_SM = replace(
 TWO_PER_SM_FROM_EXPERTS = 128
 
 
-def gpu_backward_tiles(local_experts: int) -> BackwardTiles:
+def gpu_backward_tiles(local_experts: int, keeps_every_row: bool = True) -> BackwardTiles:
     """The GPU's backward tiles for a rank of ``local_experts`` experts: two workers of one
-    warpgroup per SM from :data:`TWO_PER_SM_FROM_EXPERTS` on, else one of two warpgroups."""
-    return GPU_BACKWARD_TILES_TWO_PER_SM if local_experts >= TWO_PER_SM_FROM_EXPERTS else GPU_BACKWARD_TILES
+    warpgroup per SM from :data:`TWO_PER_SM_FROM_EXPERTS` on where the forward keeps every
+    row's gate/up projections (``keeps_every_row``), else one worker of two warpgroups."""
+    if keeps_every_row and local_experts >= TWO_PER_SM_FROM_EXPERTS:
+        return GPU_BACKWARD_TILES_TWO_PER_SM
+    return GPU_BACKWARD_TILES
 
 
 # Strips of 2 blocks: the CPU shapes have 2-4 column blocks, so full and partial strips both run
@@ -591,5 +599,6 @@ def workspace_bytes(
     return {
         "forward": forward_layout(config, world, max_tokens, tiles, dtype).nbytes,
         "backward": backward_layout(config, world, max_tokens,
-                                    backward_tiles or gpu_backward_tiles(config.num_experts // world), dtype).nbytes,
+                                    backward_tiles or gpu_backward_tiles(config.num_experts // world, world == 1),
+                                    dtype).nbytes,
     }

@@ -13,7 +13,9 @@ import torch.distributed as dist
 
 from fused_cases import CASES, assert_skew_took, build, tokens
 from kosmos_moe import ExpertLayer
-from kosmos_moe.workspace import GPU_BACKWARD_TILES, INTERPRETER_TILES, BackwardTiles
+from kosmos_moe.workspace import (
+    GPU_BACKWARD_TILES, GPU_BACKWARD_TILES_TWO_PER_SM, INTERPRETER_TILES, BackwardTiles, gpu_backward_tiles,
+)
 from multiprocess import INTERPRET, run_world
 
 
@@ -198,6 +200,16 @@ def test_weight_gradient_strips_halve_whole_rows():
     assert [t.wgrad_strip_for(h) for h in (7168, 4097, 4096, 1544, 256, 1)] == [16, 16, 8, 4, 1, 1]
     assert replace(t, wgrad_split_whole_rows=False).wgrad_strip_for(4096) == 16
     assert t.kernel_constants(hidden=4096)["WS"] == 8 and t.kernel_constants(hidden=7168)["WS"] == 16
+
+
+def test_backward_runs_two_workers_per_sm_where_experts_have_few_rows():
+    # From 128 local experts, where the forward keeps every row's projections: a kernel that may
+    # redo them needs more shared memory than two workers of an SM have.
+    assert gpu_backward_tiles(128) is gpu_backward_tiles(256) is GPU_BACKWARD_TILES_TWO_PER_SM
+    assert gpu_backward_tiles(127) is gpu_backward_tiles(256, keeps_every_row=False) is GPU_BACKWARD_TILES
+    two, one = GPU_BACKWARD_TILES_TWO_PER_SM, GPU_BACKWARD_TILES
+    assert (two.warps, two.workers_per_sm, one.warps, one.workers_per_sm) == (4, 2, 8, 1)
+    assert two.rows == one.rows  # the workspace, sized by row tiles, is the same for both
 
 
 def check_cpu_needs_interpreter(rank, world):
