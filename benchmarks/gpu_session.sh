@@ -90,8 +90,10 @@
 #                    run with WITH_TRITON
 #   variants-workers layer_backward.py unprofiled on the four EP=1 cases, the default (two workers
 #                    per SM from 128 local experts, since stop 60) against one worker per SM
-#                    (one_per_sm) and two everywhere (two_per_sm), then in the reverse order, after
-#                    the GPU test of the two-per-SM tiles; meant to run with WITH_TRITON
+#                    (one_per_sm), two everywhere (two_per_sm) and two with 2 SwiGLU-backward
+#                    stages (two_per_sm_stages2, which would fit two per SM with several ranks
+#                    too), then in the reverse order, after the GPU test of the two-per-SM tiles;
+#                    meant to run with WITH_TRITON
 #
 # WITH_TRITON=.carry/triton-VERSION.tar.xz runs every stage under that Triton instead of the
 # image's (benchmarks/carry_triton.sh packs one; name .carry in the device call's carry).
@@ -202,9 +204,10 @@ run_stage() {
                           --variants wgrad_k32_stages8 wgrad_k32_tma_store default ;;
         variants-workers) python -m pytest -q tests/test_fused_backward_gpu.py -k two_workers_per_sm && \
                           python benchmarks/layer_backward.py --cases qwen3_full dsv3_full qwen3_rank dsv3_rank \
-                              --out "$out/variants_workers.json" --variants default one_per_sm two_per_sm && \
+                              --out "$out/variants_workers.json" --variants default one_per_sm two_per_sm two_per_sm_stages2 && \
                           python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
-                              --out "$out/variants_workers_reversed.json" --variants two_per_sm one_per_sm default ;;
+                              --out "$out/variants_workers_reversed.json" \
+                              --variants two_per_sm_stages2 two_per_sm one_per_sm default ;;
         triton-versions) python benchmarks/layer_backward.py --cases dsv3_rank qwen3_rank dsv3_full qwen3_full \
                              --profile --out "$out/backward_image_triton.json" && \
                          carried="$(carried_triton "${CARRIED_TRITON:-.carry/triton-3.9.0.tar.xz}")" && \

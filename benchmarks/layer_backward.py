@@ -125,6 +125,11 @@ VARIANTS = {
     # above change), and two workers of one warpgroup per SM.
     "one_per_sm": {"backward_tiles": GPU_BACKWARD_TILES},
     "two_per_sm": {"backward_tiles": GPU_BACKWARD_TILES_TWO_PER_SM},
+    # Those with the SwiGLU-backward tiles in 2 stages: with several ranks, where the kernel also
+    # compiles the tiles that redo projections, 3 stages take 135,168 B of shared memory (one
+    # block per SM) and 2 take 98,328 (offline sm_90a, Triton 3.9, Qwen3 128 experts over 2 ranks,
+    # spills 1,232 / 1,904 B). Untimed: what 2 stages cost the kept-projection tiles at one rank.
+    "two_per_sm_stages2": {"backward_tiles": dataclasses.replace(GPU_BACKWARD_TILES_TWO_PER_SM, stages=2)},
 }
 
 
