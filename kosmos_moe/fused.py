@@ -819,11 +819,13 @@ class FusedBackward(_PersistentLaunch):
     def __init__(self, config, fabric, max_tokens, workers=None, tiles=None, wait_bound=None, profile=False,
                  saved: int = SAVED_NONE, rows_only: bool = False, pool: WorkspacePool | None = None) -> None:
         on_gpu = fabric.device.type == "cuda"
-        if tiles is None and on_gpu:
-            # A standalone dispatch/combine moves rows only: its launch keeps one worker per SM.
-            tiles = GPU_BACKWARD_TILES if rows_only else gpu_backward_tiles(
-                config.num_experts // fabric.world_size, keeps_every_row=saved == SAVED_ALL)
-        tiles = tiles or INTERPRETER_BACKWARD_TILES
+        if tiles is None:
+            if not on_gpu:
+                tiles = INTERPRETER_BACKWARD_TILES
+            elif rows_only:  # a standalone dispatch/combine moves rows only: one worker per SM
+                tiles = GPU_BACKWARD_TILES
+            else:
+                tiles = gpu_backward_tiles(config.num_experts // fabric.world_size, keeps_every_row=saved == SAVED_ALL)
         if saved == SAVED_NONE:
             # Every SwiGLU-backward task redoes the projections: no wider tasks.
             tiles = dataclasses.replace(tiles, swiglu_cols=tiles.recompute_cols)
