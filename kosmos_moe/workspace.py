@@ -485,22 +485,21 @@ class BackwardTiles:
 
 GPU_BACKWARD_TILES = BackwardTiles()
 # Where experts have few rows (128-256 each at 4096 tokens per rank), the weight-gradient blocks
-# wait on their own fill, drain and store (stop 42, DeepSeek-V3 256 experts: 5.5 us a block,
-# 1.4 at the dense rate). Two workers of one warpgroup per SM overlap one's waits with the other's wgmma, at
-# tiles a warpgroup holds: 128 x 128 dx, SwiGLU-backward and weight-gradient tiles in 3 stages
+# wait on their own fill, drain and store (stop 42, DeepSeek-V3 256 experts: 5.5 us a block, 1.4 at
+# the dense rate). Two workers of one warpgroup per SM overlap one's waits with the other's wgmma,
+# at tiles a warpgroup holds: 128 x 128 dx, SwiGLU-backward and weight-gradient tiles in 3 stages
 # beside 64 x 64 router-gradient tiles and 32-column epilogues (offline sm_90a, Triton 3.9: 255
-# registers, 98,328 B of shared memory, 2 blocks per SM; spills 624 / 740 B at Qwen3 128
-# experts, 808 / 1,156 at DeepSeek-V3 256). H100 80GB, stop 60, Triton 3.9, forward+backward
-# ms, one worker / two per SM (layer_backward.py variants one_per_sm, two_per_sm), profiled
-# run, then unprofiled in the other order: Qwen3 128 experts 10.44 / 9.96 and 10.50 / 9.99,
-# DeepSeek-V3 256 34.26 / 33.10 and 34.16 / 33.14; but Qwen3 16 experts 7.24 / 8.20 and
-# DeepSeek-V3 32 17.65 / 20.27, where the 128 x 128 tiles' extra operand reads cost more than
-# the overlap gains (dx 2.92 against 3.71 ms busy per worker). So from 128 local experts, and only
-# where the forward keeps every row's gate/up projections (one rank, save_gate_up > 0): a kernel
-# that may redo them compiles the three-accumulator SwiGLU-backward tiles, whose 3 stages take
-# 135,168 B of shared memory, one block per SM (H100, Triton 3.6, a world of 3, stop 60: the
-# launcher refused the grid before launching it; offline sm_90a, Triton 3.9, Qwen3 128 experts
-# over 2 ranks, the same 135,168 B).
+# registers, 98,328 B of shared memory, 2 blocks per SM; spills 624 / 740 B at Qwen3 128 experts,
+# 808 / 1,156 at DeepSeek-V3 256). H100 80GB, stop 60, Triton 3.9, forward+backward ms, one worker /
+# two per SM (layer_backward.py variants one_per_sm, two_per_sm), profiled run, then unprofiled in
+# the other order: Qwen3 128 experts 10.44 / 9.96 and 10.50 / 9.99, DeepSeek-V3 256 34.26 / 33.10
+# and 34.16 / 33.14; but Qwen3 16 experts 7.24 / 8.20 and DeepSeek-V3 32 17.65 / 20.27, where the
+# 128 x 128 tiles' extra operand reads cost more than the overlap gains (dx 2.92 against 3.71 ms
+# busy per worker). So from 128 local experts, and only where the forward keeps every row's gate/up
+# projections (one rank, save_gate_up > 0): a kernel that may redo them compiles the
+# three-accumulator SwiGLU-backward tiles, whose 3 stages take 135,168 B of shared memory, one block
+# per SM (H100, Triton 3.6, a world of 3, stop 60: the launcher refused the grid before launching
+# it; offline sm_90a, Triton 3.9, Qwen3 128 experts over 2 ranks, the same 135,168 B).
 GPU_BACKWARD_TILES_TWO_PER_SM = replace(
     GPU_BACKWARD_TILES, warps=4, workers_per_sm=2, dx_cols=128, swiglu_cols=128, wgrad_cols=128, dx_stages=3,
     wgrad_stages=3, router_grad_rows=64, router_grad_cols=64, swiglu_epilogue_cols=32, recompute_cols=32,
@@ -593,9 +592,11 @@ def workspace_bytes(
 ) -> dict[str, int]:
     """Bytes of one rank's fused workspaces, without allocating them: ``forward`` (every layer
     of ``backend="kosmos"``) and ``backward`` (allocated with the forward's when the layer's
-    parameters require grad), at the GPU's default tiles. For planning memory: a layer holds
-    both for its lifetime, and the layers of a model that share them
-    (:func:`kosmos_moe.share_workspaces`) hold one pair per layout."""
+    parameters require grad), at the GPU's default tiles for the default ``save_gate_up`` (above
+    zero, so one rank keeps every row's projections: :func:`gpu_backward_tiles`'s
+    ``keeps_every_row``). For planning memory: a layer holds both for its lifetime, and the
+    layers of a model that share them (:func:`kosmos_moe.share_workspaces`) hold one pair per
+    layout."""
     return {
         "forward": forward_layout(config, world, max_tokens, tiles, dtype).nbytes,
         "backward": backward_layout(config, world, max_tokens,
